@@ -1,0 +1,3 @@
+from nodeops.cli import main
+
+main()

@@ -1,0 +1,10 @@
+"""The typer CLI. The only layer that prints and exits; everything below raises NodeopsError.
+
+Command modules register themselves on ``app`` when imported. They import only typer at
+module level, so ``nodeops --help`` stays fast.
+"""
+
+from nodeops.cli import spec_cmds  # noqa: F401  (registers commands)
+from nodeops.cli.app import app, main
+
+__all__ = ["app", "main"]

@@ -1,0 +1,146 @@
+"""Spec commands: validate, render, schema, import-hostfile. None of them touches a host."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from nodeops.cli.app import app, err, errors, fail
+from nodeops.errors import EXIT_SPEC
+
+if TYPE_CHECKING:
+    from nodeops.spec import LoadedSpec
+
+SpecArg = Annotated[Path, typer.Argument(help="Resource spec (AutoDist YAML, optionally extended).", show_default=False)]
+
+
+def _print_warnings(loaded: LoadedSpec) -> None:
+    for w in loaded.warnings:
+        err(str(w))
+
+
+@app.command(
+    epilog="Example:\n\n    nodeops validate cluster.yaml\n\n    nodeops validate cluster.yaml --json | jq .errors",
+)
+def validate(
+    spec: SpecArg,
+    as_json: Annotated[bool, typer.Option("--json", help="Print problems as JSON on stdout.")] = False,
+) -> None:
+    """Check a spec and report every problem at once as `file:line:col: field: problem (fix: ...)`.
+
+    Exit 0 when valid (warnings may still be printed), 2 when not. Nothing is run anywhere.
+    """
+    from nodeops.errors import SpecError
+    from nodeops.spec import load_spec
+
+    if as_json:
+        try:
+            loaded = load_spec(spec)
+            issues, ok = loaded.warnings, True
+        except SpecError as e:
+            issues, ok = e.issues, False
+        rows = [i.__dict__ for i in issues]
+        typer.echo(json.dumps({"file": str(spec), "valid": ok,
+                               "errors": [r for r in rows if r["severity"] == "error"],
+                               "warnings": [r for r in rows if r["severity"] == "warning"]}, indent=2))
+        raise typer.Exit(0 if ok else EXIT_SPEC)
+    with errors():
+        loaded = load_spec(spec)
+        _print_warnings(loaded)
+        s = loaded.spec
+        world = sum(s.nproc(n) for n in s.nodes)
+        typer.echo(
+            f"{spec}: valid: {len(s.nodes)} node(s), chief {s.chief.address}, "
+            f"{world} process(es), runner {s.launch.runner}"
+        )
+
+
+@app.command(
+    epilog="Example:\n\n    nodeops render cluster.yaml -o out/\n\n    ssh -F out/ssh_config node-1 hostname",
+)
+def render(
+    spec: SpecArg,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write into (created if missing).")],
+) -> None:
+    """Write the Ansible inventory, ssh_config, DeepSpeed hostfile and .deepspeed_env for a spec.
+
+    Output is deterministic. Only these files in OUT are written; nothing else is touched,
+    and no host is contacted. Secret env values are never written.
+    """
+    from nodeops.render import render as do_render
+    from nodeops.spec import load_spec
+
+    with errors():
+        loaded = load_spec(spec)
+        _print_warnings(loaded)
+        rendered = do_render(loaded, os.environ)
+        if out.exists() and not out.is_dir():
+            fail(f"error: {out} exists and is not a directory", EXIT_SPEC)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, content in rendered.files.items():
+            (out / name).write_text(content, encoding="utf-8")
+        for w in rendered.warnings:
+            err(f"warning: {w}")
+        typer.echo(f"wrote {', '.join(rendered.files)} to {out}/")
+
+
+@app.command(epilog="Example:\n\n    nodeops schema -o nodeops.schema.json")
+def schema(
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Write to a file instead of stdout.")] = None,
+) -> None:
+    """Print the resource spec's JSON Schema, for editor completion and validation.
+
+    With the YAML language server, add `# yaml-language-server: $schema=nodeops.schema.json`
+    at the top of a spec.
+    """
+    from nodeops.spec import json_schema
+
+    text = json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
+    if out is None:
+        sys.stdout.write(text)
+    else:
+        out.write_text(text, encoding="utf-8")
+        typer.echo(f"wrote {out}", err=True)
+
+
+@app.command(
+    "import-hostfile",
+    epilog=(
+        "Example:\n\n    nodeops import-hostfile /job/hostfile --user ubuntu --key-file ~/.ssh/id_ed25519 -o cluster.yaml"
+    ),
+)
+def import_hostfile(
+    hostfile: Annotated[Path, typer.Argument(help="DeepSpeed hostfile (`host slots=N` lines).", show_default=False)],
+    user: Annotated[str | None, typer.Option(help="ssh user on every node.")] = None,
+    key_file: Annotated[str | None, typer.Option(help="Private key for the nodes.")] = None,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="sshd port on the nodes.")] = 22,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Spec file to write (default: stdout).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite OUT if it exists.")] = False,
+) -> None:
+    """Turn a DeepSpeed hostfile into a resource spec. The first host becomes the chief.
+
+    Parsing follows DeepSpeed's own rules (comments, CRLF, `slots=` after the host); GPUs are
+    numbered 0..slots-1 on each host. Hosts with `slots=0` run nothing and are left out.
+    """
+    from nodeops.hostfile_import import spec_from_hostfile
+
+    with errors():
+        if out is not None and out.exists() and not force:
+            fail(f"error: {out} exists; pass --force to overwrite it", EXIT_SPEC)
+        if not hostfile.is_file():
+            fail(f"error: {hostfile}: no such file", EXIT_SPEC)
+        text, warnings = spec_from_hostfile(
+            hostfile.read_text(encoding="utf-8"), str(hostfile), user=user, key_file=key_file, port=port
+        )
+        for w in warnings:
+            err(f"warning: {w}")
+        if out is None:
+            sys.stdout.write(text)
+        else:
+            out.write_text(text, encoding="utf-8")
+            typer.echo(f"wrote {out}", err=True)

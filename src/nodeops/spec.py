@@ -1,0 +1,648 @@
+"""The resource spec: AutoDist's format, accepted verbatim, plus optional nodeops sections.
+
+Loading happens in three steps so that every problem is reported at once, each with
+``file:line:col``, the field, what is wrong and how to fix it:
+
+1. YAML is parsed with positions (:mod:`nodeops.yamlpos`).
+2. The old ungrouped ``ssh:`` form is normalised to one group, and pydantic validates the
+   shape (every structural error is collected).
+3. Cross-field rules (one chief, unique addresses, group references, loopback) run on the
+   raw data, defensively, so they are reported even when step 2 also found problems.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from nodeops.errors import SpecError, SpecIssue
+from nodeops.yamlpos import Located, YamlSyntaxError, load_file, load_text
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?$")
+_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+# Keys of an SSH group. If any of them sits directly under ``ssh:`` with a scalar value,
+# the file uses AutoDist's old ungrouped form (<= 2019-11).
+_GROUP_KEYS = frozenset({"username", "key_file", "port", "python_venv", "shared_envs", "known_hosts"})
+LEGACY_GROUP = "default"
+DEFAULT_VENV = "~/.nodeops/venv"
+
+
+def _err(message: str, fix: str) -> PydanticCustomError:
+    return PydanticCustomError("nodeops", "{message}", {"message": message, "fix": fix})
+
+
+def _env_name(name: str) -> str:
+    if not ENV_NAME.match(name):
+        raise _err(
+            f"{name!r} is not a valid environment variable name",
+            "use letters, digits and underscores, not starting with a digit (e.g. MY_VAR)",
+        )
+    return name
+
+
+def _env_value(value: str) -> str:
+    if "\n" in value or "\r" in value or "\0" in value:
+        raise _err("the value contains a line break or NUL", "put the value on one line")
+    return value
+
+
+def _scalar_to_str(value: Any) -> Any:
+    """YAML turns ``4`` into an int; env values are strings, so accept numbers as written."""
+    if isinstance(value, bool):
+        raise _err("the value is a YAML boolean", f"quote it: '{str(value).lower()}'")
+    if isinstance(value, int | float):
+        return str(value)
+    return value
+
+
+# Keys and values of env mappings validate one by one, so an error points at its own line.
+EnvName = Annotated[str, AfterValidator(_env_name)]
+EnvValue = Annotated[str, BeforeValidator(_scalar_to_str), AfterValidator(_env_value)]
+
+
+def _check_path(value: str, what: str, *, absolute: bool = False, allow_home: bool = True) -> str:
+    if any(c in value for c in "\n\r\0\""):
+        raise _err(f"{what} contains a quote, line break or NUL", "use a plain path")
+    if absolute:
+        ok = value.startswith("/") or (allow_home and (value == "~" or value.startswith("~/")))
+        if not ok:
+            hint = "an absolute path such as /srv/train" + (" or one under ~/" if allow_home else "")
+            raise _err(f"{what} {value!r} is not absolute", f"use {hint}")
+    return value
+
+
+def is_loopback(address: str) -> bool:
+    if address.lower() in {"localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback"}:
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------------- AutoDist part
+class SSHGroup(_Model):
+    """One named SSH group (AutoDist's ``ssh.<group>``); nodes refer to it by ``ssh_config``."""
+
+    username: str | None = Field(None, description="Login user on the nodes (default: your local user).")
+    key_file: str | None = Field(None, description="Private key on the controller for this group.")
+    port: Port = Field(22, description="sshd port on the nodes.")
+    python_venv: str | None = Field(
+        None, description="AutoDist: a shell snippet that activates the Python env, e.g. 'source ~/venv/bin/activate'."
+    )
+    shared_envs: dict[EnvName, EnvValue] = Field(
+        default_factory=dict, description="AutoDist: env vars for every process on these nodes; $VAR expands remotely."
+    )
+    known_hosts: str | None = Field(
+        None, description="nodeops: known_hosts file that pins these nodes' host keys (default: ~/.ssh/known_hosts)."
+    )
+    host_key_checking: Literal["yes", "accept-new"] = Field(
+        "yes", description="nodeops: 'yes' refuses unknown host keys; 'accept-new' trusts a key on first use only."
+    )
+    proxy_jump: str | None = Field(None, description="nodeops: bastion for ssh -J, e.g. 'user@bastion:22'.")
+
+    @field_validator("key_file", "known_hosts")
+    @classmethod
+    def _paths(cls, v: str | None) -> str | None:
+        return None if v is None else _check_path(v, "path")
+
+
+class Node(_Model):
+    """One machine. ``address`` must be reachable from every other node."""
+
+    address: str = Field(description="IP or DNS name the other nodes use to reach this one.")
+    gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="GPU ids to use.")
+    cpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="AutoDist: CPU device ids.")
+    chief: bool = Field(False, description="Rank-0 node (MASTER_ADDR). Exactly one when there are several nodes.")
+    ssh_config: str | None = Field(None, description="Name of the ssh group this node uses.")
+    network_bandwidth: float | None = Field(None, gt=0, description="AutoDist: Gbps hint; accepted, not used.")
+    name: str | None = Field(None, description="nodeops: short host alias for inventory and ssh_config.")
+    nproc: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="nodeops: processes on this node (default: launch.nproc_per_node, else len(gpus), else 1)."
+    )
+    socket_ifname: str | None = Field(None, description="nodeops: network interface override for this node.")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, v: str) -> str:
+        v = v.strip()
+        try:
+            ipaddress.ip_address(v)
+            return v
+        except ValueError:
+            pass
+        if "@" in v:
+            raise _err(f"address {v!r} contains a user name", "put the user in an ssh group's `username`")
+        if _HOSTNAME.match(v) is None:
+            raise _err(f"address {v!r} is neither an IP address nor a host name", "use e.g. 10.0.0.2 or node-1.example")
+        return v
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and (_HOSTNAME.match(v) is None or "." in v):
+            raise _err(f"name {v!r} is not a simple host alias", "use letters, digits, '-' and '_' only, e.g. node-1")
+        return v
+
+    @field_validator("gpus", "cpus")
+    @classmethod
+    def _unique_ids(cls, v: list[int]) -> list[int]:
+        dup = sorted({x for x in v if v.count(x) > 1})
+        if dup:
+            raise _err(f"device ids {dup} are listed more than once", "list each device id once")
+        return v
+
+    @field_validator("socket_ifname")
+    @classmethod
+    def _ifname(cls, v: str | None) -> str | None:
+        if v is not None and _IFNAME.match(v) is None:
+            raise _err(f"{v!r} is not a network interface name", "use a name from `ip -br link`, e.g. eth0 or ens5")
+        return v
+
+
+# --------------------------------------------------------------------------- nodeops sections
+class EnvVar(_Model):
+    """A global env var. Plain ``NAME: value`` in YAML is shorthand for ``{value: ...}``."""
+
+    value: str | None = Field(None, description="The value, written in the spec.")
+    from_env: str | None = Field(None, description="Read the value from this variable on the controller at run time.")
+    secret: bool = Field(False, description="Never shown, logged or put on a command line; stored 0600 on nodes.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        return v if isinstance(v, dict) else {"value": _scalar_to_str(v)}
+
+    @field_validator("value")
+    @classmethod
+    def _value(cls, v: str | None) -> str | None:
+        return None if v is None else _env_value(v)
+
+    @field_validator("from_env")
+    @classmethod
+    def _from_env(cls, v: str | None) -> str | None:
+        return None if v is None else _env_name(v)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if (self.value is None) == (self.from_env is None):
+            raise _err("give exactly one of `value` and `from_env`", "e.g. {from_env: HF_TOKEN, secret: true}")
+        return self
+
+
+class PythonSpec(_Model):
+    venv: str | None = Field(None, description=f"venv path on every node (default {DEFAULT_VENV} unless conda).")
+    conda: str | None = Field(None, description="conda env name to create/update instead of a venv.")
+    conda_base: str = Field("~/miniconda3", description="conda install dir on the nodes (holds etc/profile.d/conda.sh).")
+    interpreter: str = Field("python3", description="Python used to create the venv.")
+    packages: list[str] = Field(default_factory=list, description="pip requirement strings, e.g. 'torch==2.13.0'.")
+    requirements: str | None = Field(None, description="requirements.txt on the controller (relative to the spec).")
+    wheelhouse: str | None = Field(
+        None, description="Controller dir of wheels, synced to the nodes and installed with --no-index."
+    )
+
+    @field_validator("venv")
+    @classmethod
+    def _venv(cls, v: str | None) -> str | None:
+        return None if v is None else _check_path(v, "venv", absolute=True)
+
+    @field_validator("conda")
+    @classmethod
+    def _conda(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
+            raise _err(f"conda env name {v!r} has odd characters", "use letters, digits, '.', '-' and '_'")
+        return v
+
+    @field_validator("conda_base")
+    @classmethod
+    def _conda_base(cls, v: str) -> str:
+        return _check_path(v, "conda_base", absolute=True)
+
+    @field_validator("requirements", "wheelhouse")
+    @classmethod
+    def _ctl_paths(cls, v: str | None) -> str | None:
+        return None if v is None else _check_path(v, "path")
+
+    @model_validator(mode="after")
+    def _venv_or_conda(self) -> PythonSpec:
+        if self.venv is not None and self.conda is not None:
+            raise _err("both `venv` and `conda` are set", "keep one: a venv path or a conda env name")
+        return self
+
+    @property
+    def venv_path(self) -> str | None:
+        if self.conda is not None:
+            return None
+        return self.venv or DEFAULT_VENV
+
+
+class NfsSpec(_Model):
+    server: str = Field(description="NFS server host.")
+    export: str = Field(description="Exported path on the server, e.g. /exports/train.")
+    options: str = Field("defaults", description="Mount options.")
+
+    @field_validator("export")
+    @classmethod
+    def _export(cls, v: str) -> str:
+        return _check_path(v, "export", absolute=True, allow_home=False)
+
+
+class WorkdirSpec(_Model):
+    path: str = Field(description="The same absolute working directory on every node.")
+    sync: Literal["rsync", "nfs", "none"] = Field("rsync", description="How the dir gets its content.")
+    source: str | None = Field(None, description="rsync: controller dir to copy (default: the spec's directory).")
+    exclude: list[str] = Field(
+        default_factory=lambda: [".git", ".venv", "venv", "__pycache__", ".nodeops"],
+        description="rsync: patterns not copied.",
+    )
+    nfs: NfsSpec | None = Field(None, description="nfs: what to mount at `path`.")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, v: str) -> str:
+        return _check_path(v, "workdir path", absolute=True, allow_home=False)
+
+    @model_validator(mode="after")
+    def _nfs(self) -> WorkdirSpec:
+        if self.sync == "nfs" and self.nfs is None:
+            raise _err("sync is nfs but no `nfs:` is given", "add nfs: {server: HOST, export: /exports/dir}")
+        if self.sync != "nfs" and self.nfs is not None:
+            raise _err(f"`nfs:` is given but sync is {self.sync!r}", "set `sync: nfs` or remove `nfs:`")
+        return self
+
+
+class NetworkSpec(_Model):
+    socket_ifname: str = Field(
+        "auto", description="NCCL/GLOO socket interface: 'auto' (detected per node) or a name for all nodes."
+    )
+    ib: Literal["auto", "off"] = Field("auto", description="InfiniBand: 'off' sets NCCL_IB_DISABLE=1.")
+    nccl: dict[EnvName, EnvValue] = Field(
+        default_factory=dict, description="Extra NCCL_* variables, e.g. NCCL_DEBUG: INFO."
+    )
+
+    @field_validator("socket_ifname")
+    @classmethod
+    def _ifname(cls, v: str) -> str:
+        if v != "auto" and _IFNAME.match(v) is None:
+            raise _err(f"{v!r} is not a network interface name", "use 'auto' or a name such as eth0")
+        return v
+
+    @field_validator("nccl")
+    @classmethod
+    def _nccl(cls, v: dict[str, str]) -> dict[str, str]:
+        for k in v:
+            if not k.startswith("NCCL_"):
+                raise _err(f"{k} is not an NCCL_* variable", "put other variables under top-level `env:`")
+        return v
+
+
+class LaunchSpec(_Model):
+    runner: Literal["torchrun", "mpirun", "deepspeed"] = Field("torchrun", description="How ranks are started.")
+    master_port: Port = Field(29500, description="MASTER_PORT on the chief.")
+    rendezvous: Literal["static", "c10d"] = Field("static", description="torchrun rendezvous backend.")
+    rdzv_port: Port = Field(29400, description="c10d rendezvous port on the chief.")
+    max_restarts: Annotated[int, Field(ge=0)] = Field(0, description="torchrun --max-restarts.")
+    nproc_per_node: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="Processes per node for every node; 'auto' (default) means len(gpus), else 1."
+    )
+
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _auto(cls, v: Any) -> Any:
+        return None if v == "auto" else v
+
+    @model_validator(mode="after")
+    def _ports(self) -> LaunchSpec:
+        if self.rendezvous == "c10d" and self.rdzv_port == self.master_port:
+            raise _err("rdzv_port equals master_port", "use two different ports, e.g. 29400 and 29500")
+        return self
+
+
+class ResourceSpec(_Model):
+    """A cluster: AutoDist's ``nodes`` and ``ssh`` plus optional nodeops sections."""
+
+    name: str | None = Field(None, description="nodeops: cluster name (default: the spec file's name).")
+    nodes: list[Node] = Field(min_length=1, description="The machines; the chief is node rank 0.")
+    ssh: dict[str, SSHGroup] = Field(default_factory=dict, description="Named ssh groups (AutoDist).")
+    env: dict[EnvName, EnvVar] = Field(default_factory=dict, description="nodeops: env for every rank on every node.")
+    python: PythonSpec | None = Field(None, description="nodeops: the Python env to build on every node.")
+    workdir: WorkdirSpec | None = Field(None, description="nodeops: the shared working directory.")
+    network: NetworkSpec = Field(default_factory=NetworkSpec, description="nodeops: NCCL/GLOO settings.")
+    launch: LaunchSpec = Field(default_factory=LaunchSpec, description="nodeops: how training is started.")
+
+    @field_validator("name")
+    @classmethod
+    def _cluster_name(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", v):
+            raise _err(f"cluster name {v!r} has odd characters", "use letters, digits, '.', '-' and '_'")
+        return v
+
+    # ---- derived views used by render/launch (pure, no I/O)
+    @property
+    def chief(self) -> Node:
+        return next((n for n in self.nodes if n.chief), self.nodes[0])
+
+    def ranked_nodes(self) -> list[Node]:
+        """Nodes in node-rank order: the chief first, then the others in spec order."""
+        chief = self.chief
+        return [chief] + [n for n in self.nodes if n is not chief]
+
+    def group_name(self, node: Node) -> str | None:
+        if node.ssh_config is not None:
+            return node.ssh_config
+        if len(self.ssh) == 1:
+            return next(iter(self.ssh))
+        return None
+
+    def group(self, node: Node) -> SSHGroup:
+        name = self.group_name(node)
+        return self.ssh[name] if name is not None else SSHGroup()
+
+    def nproc(self, node: Node) -> int:
+        if node.nproc is not None:
+            return node.nproc
+        if self.launch.nproc_per_node is not None:
+            return self.launch.nproc_per_node
+        return len(node.gpus) or 1
+
+    def alias(self, node: Node) -> str:
+        return node.name or node.address
+
+
+# --------------------------------------------------------------------------- loading
+@dataclass
+class LoadedSpec:
+    spec: ResourceSpec
+    file: str
+    warnings: list[SpecIssue] = field(default_factory=list)
+
+    @property
+    def spec_dir(self) -> Path:
+        return Path(self.file).resolve().parent
+
+    @property
+    def cluster_name(self) -> str:
+        return self.spec.name or re.sub(r"[^A-Za-z0-9_.-]", "-", Path(self.file).stem) or "cluster"
+
+
+def _is_legacy_ssh(ssh: Any) -> bool:
+    return isinstance(ssh, dict) and any(k in _GROUP_KEYS and not isinstance(v, dict) for k, v in ssh.items())
+
+
+def _display(loc: tuple[str | int, ...], legacy: bool) -> tuple[str | int, ...]:
+    """Map a validated path back to the path as written (the legacy group has no name)."""
+    if loc and loc[-1] == "[key]":
+        loc = loc[:-1]
+    if legacy and loc[:2] == ("ssh", LEGACY_GROUP):
+        return ("ssh", *loc[2:])
+    return loc
+
+
+def _field_str(loc: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top>"
+
+
+def _unwrap(tp: Any) -> Any:
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(tp) if a is not type(None)]
+            tp = args[0] if len(args) == 1 else tp
+            if len(args) != 1:
+                return tp
+        else:
+            return tp
+
+
+def _model_at(loc: tuple[str | int, ...]) -> type[BaseModel] | None:
+    """The pydantic model that owns the field at ``loc`` (used to list allowed keys)."""
+    tp: Any = ResourceSpec
+    for part in loc:
+        tp = _unwrap(tp)
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            f = tp.model_fields.get(str(part))
+            if f is None:
+                return None
+            tp = f.annotation
+        elif typing.get_origin(tp) in (list, dict):
+            tp = typing.get_args(tp)[-1]
+        else:
+            return None
+    tp = _unwrap(tp)
+    return tp if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+
+
+_TYPE_FIX = {
+    "int_type": "write a whole number, e.g. 22",
+    "int_parsing": "write a whole number, e.g. 22",
+    "int_from_float": "write a whole number, e.g. 22",
+    "float_type": "write a number",
+    "float_parsing": "write a number",
+    "bool_type": "write true or false",
+    "bool_parsing": "write true or false",
+    "string_type": "write a string; quote it if YAML reads it as something else",
+    "list_type": "write a list, e.g. [0, 1]",
+    "dict_type": "write a mapping of `key: value` lines",
+    "model_type": "write a mapping of `key: value` lines",
+    "model_attributes_type": "write a mapping of `key: value` lines",
+    "greater_than_equal": "use a larger value",
+    "greater_than": "use a larger value",
+    "less_than_equal": "use a smaller value",
+    "too_short": "add at least one entry",
+    "frozen_instance": "",
+}
+
+
+def _issue_from_pydantic(err: Mapping[str, Any], located: Located, legacy: bool) -> SpecIssue:
+    loc = _display(tuple(err["loc"]), legacy)
+    kind = err["type"]
+    ctx = err.get("ctx") or {}
+    message = err["msg"]
+    if kind == "nodeops":
+        fix = ctx["fix"]
+    elif kind == "missing":
+        fix = f"add `{loc[-1]}:` here"
+        message = f"required field `{loc[-1]}` is missing"
+    elif kind == "extra_forbidden":
+        owner = _model_at(tuple(err["loc"])[:-1])
+        allowed = sorted(owner.model_fields) if owner else []
+        close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
+        fix = f"did you mean `{close[0]}`?" if close else f"remove it; allowed here: {', '.join(allowed)}"
+        message = f"unknown field `{loc[-1]}`"
+    elif kind == "literal_error":
+        fix = f"use {ctx.get('expected', 'one of the allowed values')}"
+    else:
+        fix = _TYPE_FIX.get(kind, "see `nodeops schema` for the expected shape")
+    pos = located.pos(loc)
+    return SpecIssue(located.file, pos.line, pos.col, _field_str(loc), message, fix)
+
+
+def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[SpecIssue]:
+    """Rules that span several fields. Runs on raw data so it works even if the shape is partly wrong."""
+    issues: list[SpecIssue] = []
+
+    def add(loc: tuple[str | int, ...], message: str, fix: str) -> None:
+        loc = _display(loc, legacy)
+        pos = located.pos(loc)
+        issues.append(SpecIssue(located.file, pos.line, pos.col, _field_str(loc), message, fix))
+
+    nodes_raw = raw.get("nodes")
+    nodes = [(i, n) for i, n in enumerate(nodes_raw) if isinstance(n, dict)] if isinstance(nodes_raw, list) else []
+    multi = isinstance(nodes_raw, list) and len(nodes_raw) > 1
+    chiefs = [i for i, n in nodes if n.get("chief") is True]
+    if multi and not chiefs:
+        add(("nodes",), f"{len(nodes_raw)} nodes but none is marked chief", "add `chief: true` to the rank-0 node")
+    for i in chiefs[1:]:
+        add(
+            ("nodes", i, "chief"),
+            f"more than one chief (nodes[{chiefs[0]}] is already chief)",
+            "keep `chief: true` on exactly one node",
+        )
+    first_by: dict[tuple[str, str], int] = {}
+    for i, n in nodes:
+        for key in ("address", "name"):
+            value = n.get(key)
+            if not isinstance(value, str):
+                continue
+            norm = value.strip().lower()
+            if (key, norm) in first_by:
+                add((("nodes", i, key)), f"{key} {value!r} is also used by nodes[{first_by[(key, norm)]}]",
+                    f"give every node a distinct {key}")
+            else:
+                first_by[(key, norm)] = i
+        address = n.get("address")
+        if multi and isinstance(address, str) and is_loopback(address.strip()):
+            add(
+                ("nodes", i, "address"),
+                f"{address!r} is a loopback address in a {len(nodes_raw)}-node spec; other nodes cannot reach it",
+                "use an address the other nodes can reach, e.g. the host's LAN IP",
+            )
+    groups = raw.get("ssh") if isinstance(raw.get("ssh"), dict) else {}
+    group_names = sorted(str(g) for g in groups)
+    for i, n in nodes:
+        ref = n.get("ssh_config")
+        if ref is None:
+            if len(group_names) > 1 and n.get("chief") is not True and multi:
+                add(("nodes", i), "non-chief node has no `ssh_config` and there are several ssh groups",
+                    f"add `ssh_config:` with one of: {', '.join(group_names)}")
+            continue
+        if not isinstance(ref, str):
+            continue
+        if legacy:
+            add(("nodes", i, "ssh_config"), "`ssh_config` names a group, but `ssh:` is in the old ungrouped form",
+                "remove `ssh_config` or put the ssh settings under a group name")
+        elif ref not in groups:
+            close = difflib.get_close_matches(ref, group_names, n=1)
+            fix = f"did you mean `{close[0]}`?" if close else (
+                f"use one of: {', '.join(group_names)}" if group_names else f"define `ssh: {{{ref}: {{username: ...}}}}`"
+            )
+            add(("nodes", i, "ssh_config"), f"ssh group {ref!r} is not defined under `ssh:`", fix)
+    return issues
+
+
+def _warnings(spec: ResourceSpec, located: Located, legacy: bool) -> list[SpecIssue]:
+    out: list[SpecIssue] = []
+    for name, group in spec.ssh.items():
+        for key in ("key_file", "known_hosts"):
+            value = getattr(group, key)
+            if value is not None and not Path(os.path.expanduser(value)).is_file():
+                loc = _display(("ssh", name, key), legacy)
+                pos = located.pos(loc)
+                out.append(
+                    SpecIssue(located.file, pos.line, pos.col, _field_str(loc),
+                              f"{value} does not exist on this machine",
+                              "create it, or fix the path before `setup`", severity="warning")
+                )
+    return out
+
+
+def _normalise(data: Any) -> tuple[Any, bool]:
+    if not isinstance(data, dict):
+        return data, False
+    legacy = _is_legacy_ssh(data.get("ssh"))
+    if legacy:
+        data = {**data, "ssh": {LEGACY_GROUP: data["ssh"]}}
+    if data.get("ssh") is None and "ssh" in data:
+        data = {k: v for k, v in data.items() if k != "ssh"}
+    return data, legacy
+
+
+def validate_located(located: Located) -> LoadedSpec:
+    """Validate parsed YAML; raise :class:`SpecError` with every problem found."""
+    raw = located.data
+    if not isinstance(raw, dict):
+        what = "empty" if raw is None else f"a {type(raw).__name__}"
+        raise SpecError([SpecIssue(located.file, 1, 1, "<top>", f"the spec is {what}, not a mapping",
+                                   "start with `nodes:` followed by a list of nodes")])
+    data, legacy = _normalise(raw)
+    issues: list[SpecIssue] = []
+    spec: ResourceSpec | None = None
+    try:
+        spec = ResourceSpec.model_validate(data)
+    except ValidationError as e:
+        issues.extend(_issue_from_pydantic(err, located, legacy) for err in e.errors())
+    issues.extend(_cross_checks(data, located, legacy))
+    if issues or spec is None:
+        issues.sort(key=lambda i: (i.line, i.col))
+        raise SpecError(issues)
+    return LoadedSpec(spec=spec, file=located.file, warnings=_warnings(spec, located, legacy))
+
+
+def _syntax_issue(e: YamlSyntaxError) -> SpecError:
+    return SpecError([SpecIssue(e.file, e.pos.line, e.pos.col, "<yaml>", e.message, "fix the YAML syntax")])
+
+
+def load_spec(path: str | Path) -> LoadedSpec:
+    """Load and validate a spec file. Raises :class:`SpecError` (exit 2) on any problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError([SpecIssue(str(p), 1, 1, "<file>", "no such file", "check the path")])
+    try:
+        return validate_located(load_file(p))
+    except YamlSyntaxError as e:
+        raise _syntax_issue(e) from None
+
+
+def load_spec_text(text: str, file: str = "<string>") -> LoadedSpec:
+    try:
+        return validate_located(load_text(text, file))
+    except YamlSyntaxError as e:
+        raise _syntax_issue(e) from None
+
+
+def json_schema() -> dict[str, Any]:
+    schema = ResourceSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "nodeops resource spec"
+    return schema
