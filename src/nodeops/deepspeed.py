@@ -36,17 +36,46 @@ def parse_hostfile_lines(text: str, file: str = "<hostfile>") -> dict[str, tuple
             continue
         m = _HOST_LINE.match(line)
         if m is None:  # H5
-            raise SpecError([SpecIssue(file, lineno, 1, "hostfile", f"bad entry {line!r}",
-                                       "write `HOST slots=N` with lowercase slots= and no spaces around '='")])
+            raise SpecError(
+                [
+                    SpecIssue(
+                        file,
+                        lineno,
+                        1,
+                        "hostfile",
+                        f"bad entry {line!r}",
+                        "write `HOST slots=N` with lowercase slots= and no spaces around '='",
+                    )
+                ]
+            )
         host, slots = m.group(1), int(m.group(2))
         if host in hosts:  # H6
-            raise SpecError([SpecIssue(file, lineno, 1, "hostfile",
-                                       f"multiple entries for {host} (first on line {hosts[host][1]})",
-                                       "list each host once")])
+            raise SpecError(
+                [
+                    SpecIssue(
+                        file,
+                        lineno,
+                        1,
+                        "hostfile",
+                        f"multiple entries for {host} (first on line {hosts[host][1]})",
+                        "list each host once",
+                    )
+                ]
+            )
         hosts[host] = (slots, lineno)
     if not hosts:  # H7
-        raise SpecError([SpecIssue(file, 1, 1, "hostfile", "hostfile is empty or has only comments",
-                                   "add one `HOST slots=N` line per node")])
+        raise SpecError(
+            [
+                SpecIssue(
+                    file,
+                    1,
+                    1,
+                    "hostfile",
+                    "hostfile is empty or has only comments",
+                    "add one `HOST slots=N` line per node",
+                )
+            ]
+        )
     return hosts
 
 
@@ -76,7 +105,7 @@ def export_fragment(key: str, value: str) -> str:
 def env_file_problem(key: str, value: str) -> str | None:
     """Why ``key=value`` cannot go into ``.deepspeed_env`` unchanged, or None if it can."""
     if _DS_UNSAFE.search(value):
-        return "DeepSpeed wraps values in double quotes without escaping, so \", ` and \\ break the remote command"
+        return 'DeepSpeed wraps values in double quotes without escaping, so ", ` and \\ break the remote command'
     if value != value.strip():
         return "DeepSpeed strips leading and trailing whitespace from values"
     return None

@@ -27,7 +27,9 @@ def spec_from_hostfile(
         else:
             kept.append((host, slots, line))
     if not kept:
-        raise SpecError([SpecIssue(file, 1, 1, "hostfile", "every host has slots=0", "give at least one host slots>=1")])
+        raise SpecError(
+            [SpecIssue(file, 1, 1, "hostfile", "every host has slots=0", "give at least one host slots>=1")]
+        )
     group: dict[str, Any] = {"port": port}
     if user:
         group["username"] = user

@@ -195,8 +195,13 @@ def ssh_config(loaded: LoadedSpec) -> str:
         lines.append(f"    StrictHostKeyChecking {group.host_key_checking}")
         if group.proxy_jump:
             lines.append(f"    ProxyJump {group.proxy_jump}")
-        lines += ["    BatchMode yes", "    ControlMaster auto", "    ControlPath ~/.ssh/nodeops-%C",
-                  "    ControlPersist 60s", ""]
+        lines += [
+            "    BatchMode yes",
+            "    ControlMaster auto",
+            "    ControlPath ~/.ssh/nodeops-%C",
+            "    ControlPersist 60s",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -213,8 +218,10 @@ def deepspeed_env(spec: ResourceSpec, environ: Mapping[str, str]) -> tuple[str, 
     if len(shared) == 1:
         env.update(dict(next(iter(shared))))
     else:
-        warnings.append(".deepspeed_env: shared_envs differ between ssh groups, so they are left out of this "
-                        "cluster-wide file; nodeops launch still applies them per node")
+        warnings.append(
+            ".deepspeed_env: shared_envs differ between ssh groups, so they are left out of this "
+            "cluster-wide file; nodeops launch still applies them per node"
+        )
     kept: dict[str, str] = {}
     for key, value in env.items():
         problem = deepspeed.env_file_problem(key, value)
@@ -230,8 +237,10 @@ def render(loaded: LoadedSpec, environ: Mapping[str, str]) -> Rendered:
     header = f"# {HEADER.format(file=Path(loaded.file).name)}\n"
     inv = yaml.safe_dump(inventory(loaded, environ), sort_keys=False, default_flow_style=False, width=1000)
     ds_env, warnings = deepspeed_env(spec, environ)
-    if spec.launch.rendezvous == "static" and len({spec.nproc(n) for n in spec.nodes}) > 1 and (
-        spec.launch.runner == "torchrun"
+    if (
+        spec.launch.rendezvous == "static"
+        and len({spec.nproc(n) for n in spec.nodes}) > 1
+        and (spec.launch.runner == "torchrun")
     ):
         warnings.append("launch: nodes run different numbers of processes; torchrun will use c10d rendezvous")
     return Rendered(

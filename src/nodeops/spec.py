@@ -40,7 +40,9 @@ from nodeops.yamlpos import Located, YamlSyntaxError, load_file, load_text
 
 Port = Annotated[int, Field(ge=1, le=65535)]
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?$")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?$"
+)
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 # Keys of an SSH group. If any of them sits directly under ``ssh:`` with a scalar value,
 # the file uses AutoDist's old ungrouped form (<= 2019-11).
@@ -83,7 +85,7 @@ EnvValue = Annotated[str, BeforeValidator(_scalar_to_str), AfterValidator(_env_v
 
 
 def _check_path(value: str, what: str, *, absolute: bool = False, allow_home: bool = True) -> str:
-    if any(c in value for c in "\n\r\0\""):
+    if any(c in value for c in '\n\r\0"'):
         raise _err(f"{what} contains a quote, line break or NUL", "use a plain path")
     if absolute:
         ok = value.startswith("/") or (allow_home and (value == "~" or value.startswith("~/")))
@@ -219,7 +221,9 @@ class EnvVar(_Model):
 class PythonSpec(_Model):
     venv: str | None = Field(None, description=f"venv path on every node (default {DEFAULT_VENV} unless conda).")
     conda: str | None = Field(None, description="conda env name to create/update instead of a venv.")
-    conda_base: str = Field("~/miniconda3", description="conda install dir on the nodes (holds etc/profile.d/conda.sh).")
+    conda_base: str = Field(
+        "~/miniconda3", description="conda install dir on the nodes (holds etc/profile.d/conda.sh)."
+    )
     interpreter: str = Field("python3", description="Python used to create the venv.")
     packages: list[str] = Field(default_factory=list, description="pip requirement strings, e.g. 'torch==2.13.0'.")
     requirements: str | None = Field(None, description="requirements.txt on the controller (relative to the spec).")
@@ -518,8 +522,10 @@ def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[S
         issues.append(SpecIssue(located.file, pos.line, pos.col, _field_str(loc), message, fix))
 
     nodes_raw = raw.get("nodes")
-    nodes = [(i, n) for i, n in enumerate(nodes_raw) if isinstance(n, dict)] if isinstance(nodes_raw, list) else []
-    multi = isinstance(nodes_raw, list) and len(nodes_raw) > 1
+    if not isinstance(nodes_raw, list):
+        nodes_raw = []
+    nodes = [(i, n) for i, n in enumerate(nodes_raw) if isinstance(n, dict)]
+    multi = len(nodes_raw) > 1
     chiefs = [i for i, n in nodes if n.get("chief") is True]
     if multi and not chiefs:
         add(("nodes",), f"{len(nodes_raw)} nodes but none is marked chief", "add `chief: true` to the rank-0 node")
@@ -537,8 +543,11 @@ def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[S
                 continue
             norm = value.strip().lower()
             if (key, norm) in first_by:
-                add((("nodes", i, key)), f"{key} {value!r} is also used by nodes[{first_by[(key, norm)]}]",
-                    f"give every node a distinct {key}")
+                add(
+                    ("nodes", i, key),
+                    f"{key} {value!r} is also used by nodes[{first_by[(key, norm)]}]",
+                    f"give every node a distinct {key}",
+                )
             else:
                 first_by[(key, norm)] = i
         address = n.get("address")
@@ -548,24 +557,37 @@ def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[S
                 f"{address!r} is a loopback address in a {len(nodes_raw)}-node spec; other nodes cannot reach it",
                 "use an address the other nodes can reach, e.g. the host's LAN IP",
             )
-    groups = raw.get("ssh") if isinstance(raw.get("ssh"), dict) else {}
+    ssh_raw = raw.get("ssh")
+    groups: dict[Any, Any] = ssh_raw if isinstance(ssh_raw, dict) else {}
     group_names = sorted(str(g) for g in groups)
     for i, n in nodes:
         ref = n.get("ssh_config")
         if ref is None:
             if len(group_names) > 1 and n.get("chief") is not True and multi:
-                add(("nodes", i), "non-chief node has no `ssh_config` and there are several ssh groups",
-                    f"add `ssh_config:` with one of: {', '.join(group_names)}")
+                add(
+                    ("nodes", i),
+                    "non-chief node has no `ssh_config` and there are several ssh groups",
+                    f"add `ssh_config:` with one of: {', '.join(group_names)}",
+                )
             continue
         if not isinstance(ref, str):
             continue
         if legacy:
-            add(("nodes", i, "ssh_config"), "`ssh_config` names a group, but `ssh:` is in the old ungrouped form",
-                "remove `ssh_config` or put the ssh settings under a group name")
+            add(
+                ("nodes", i, "ssh_config"),
+                "`ssh_config` names a group, but `ssh:` is in the old ungrouped form",
+                "remove `ssh_config` or put the ssh settings under a group name",
+            )
         elif ref not in groups:
             close = difflib.get_close_matches(ref, group_names, n=1)
-            fix = f"did you mean `{close[0]}`?" if close else (
-                f"use one of: {', '.join(group_names)}" if group_names else f"define `ssh: {{{ref}: {{username: ...}}}}`"
+            fix = (
+                f"did you mean `{close[0]}`?"
+                if close
+                else (
+                    f"use one of: {', '.join(group_names)}"
+                    if group_names
+                    else f"define `ssh: {{{ref}: {{username: ...}}}}`"
+                )
             )
             add(("nodes", i, "ssh_config"), f"ssh group {ref!r} is not defined under `ssh:`", fix)
     return issues
@@ -580,9 +602,15 @@ def _warnings(spec: ResourceSpec, located: Located, legacy: bool) -> list[SpecIs
                 loc = _display(("ssh", name, key), legacy)
                 pos = located.pos(loc)
                 out.append(
-                    SpecIssue(located.file, pos.line, pos.col, _field_str(loc),
-                              f"{value} does not exist on this machine",
-                              "create it, or fix the path before `setup`", severity="warning")
+                    SpecIssue(
+                        located.file,
+                        pos.line,
+                        pos.col,
+                        _field_str(loc),
+                        f"{value} does not exist on this machine",
+                        "create it, or fix the path before `setup`",
+                        severity="warning",
+                    )
                 )
     return out
 
@@ -603,8 +631,18 @@ def validate_located(located: Located) -> LoadedSpec:
     raw = located.data
     if not isinstance(raw, dict):
         what = "empty" if raw is None else f"a {type(raw).__name__}"
-        raise SpecError([SpecIssue(located.file, 1, 1, "<top>", f"the spec is {what}, not a mapping",
-                                   "start with `nodes:` followed by a list of nodes")])
+        raise SpecError(
+            [
+                SpecIssue(
+                    located.file,
+                    1,
+                    1,
+                    "<top>",
+                    f"the spec is {what}, not a mapping",
+                    "start with `nodes:` followed by a list of nodes",
+                )
+            ]
+        )
     data, legacy = _normalise(raw)
     issues: list[SpecIssue] = []
     spec: ResourceSpec | None = None

@@ -16,10 +16,7 @@ import typer
 from nodeops import __version__
 from nodeops.errors import EXIT_INTERRUPTED, EXIT_SPEC, NodeopsError, SpecError
 
-EPILOG = (
-    "Exit codes: 0 ok; 1 a host or check failed; 2 bad spec, hostfile or usage (nothing was run); "
-    "130 interrupted."
-)
+EPILOG = "Exit codes: 0 ok; 1 a host or check failed; 2 bad spec, hostfile or usage (nothing was run); 130 interrupted."
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 app = typer.Typer(

@@ -16,7 +16,9 @@ from nodeops.errors import EXIT_SPEC
 if TYPE_CHECKING:
     from nodeops.spec import LoadedSpec
 
-SpecArg = Annotated[Path, typer.Argument(help="Resource spec (AutoDist YAML, optionally extended).", show_default=False)]
+SpecArg = Annotated[
+    Path, typer.Argument(help="Resource spec (AutoDist YAML, optionally extended).", show_default=False)
+]
 
 
 def _print_warnings(loaded: LoadedSpec) -> None:
@@ -45,9 +47,17 @@ def validate(
         except SpecError as e:
             issues, ok = e.issues, False
         rows = [i.__dict__ for i in issues]
-        typer.echo(json.dumps({"file": str(spec), "valid": ok,
-                               "errors": [r for r in rows if r["severity"] == "error"],
-                               "warnings": [r for r in rows if r["severity"] == "warning"]}, indent=2))
+        typer.echo(
+            json.dumps(
+                {
+                    "file": str(spec),
+                    "valid": ok,
+                    "errors": [r for r in rows if r["severity"] == "error"],
+                    "warnings": [r for r in rows if r["severity"] == "warning"],
+                },
+                indent=2,
+            )
+        )
         raise typer.Exit(0 if ok else EXIT_SPEC)
     with errors():
         loaded = load_spec(spec)
@@ -111,7 +121,8 @@ def schema(
 @app.command(
     "import-hostfile",
     epilog=(
-        "Example:\n\n    nodeops import-hostfile /job/hostfile --user ubuntu --key-file ~/.ssh/id_ed25519 -o cluster.yaml"
+        "Example:\n\n    nodeops import-hostfile /job/hostfile --user ubuntu"
+        " --key-file ~/.ssh/id_ed25519 -o cluster.yaml"
     ),
 )
 def import_hostfile(

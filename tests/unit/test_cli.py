@@ -1,0 +1,148 @@
+"""CLI behaviour: exit codes, where messages go, help examples, no side effects on errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from nodeops.cli import app
+
+from ..conftest import SHARED
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+runner = CliRunner()
+
+
+def test_version() -> None:
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.startswith("nodeops ")
+
+
+def test_no_args_shows_help() -> None:
+    r = runner.invoke(app, [])
+    assert "validate" in r.output and "render" in r.output
+
+
+@pytest.mark.parametrize("cmd", ["validate", "render", "schema", "import-hostfile"])
+def test_every_command_has_an_example(cmd: str) -> None:
+    r = runner.invoke(app, [cmd, "-h"])
+    assert r.exit_code == 0
+    assert "Example" in r.output and f"nodeops {cmd}" in r.output
+
+
+def test_validate_ok_and_warning_on_stderr() -> None:
+    r = runner.invoke(app, ["validate", str(SHARED / "peers/autodist/r1.yml")])
+    assert r.exit_code == 0
+    assert "valid: 2 node(s)" in r.stdout
+    assert "warning: ssh.conf.key_file" in r.stderr
+
+
+def test_validate_error_exit_2_on_stderr() -> None:
+    path = SPECS / "two-chiefs.error.two-chiefs.yaml"
+    r = runner.invoke(app, ["validate", str(path)])
+    assert r.exit_code == 2
+    assert r.stdout == ""
+    assert f"{path}:7:5: error: nodes[1].chief: more than one chief" in r.stderr
+    assert "nothing was run" in r.stderr
+
+
+def test_validate_json() -> None:
+    r = runner.invoke(app, ["validate", "--json", str(SPECS / "multi.error.several-at-once.yaml")])
+    assert r.exit_code == 2
+    doc = json.loads(r.stdout)
+    assert doc["valid"] is False and len(doc["errors"]) == 3
+    assert {e["field"] for e in doc["errors"]} == {"nodes[0].gpus[0]", "nodes[1].address", "launch.runner"}
+
+
+def test_validate_missing_file() -> None:
+    r = runner.invoke(app, ["validate", "/nonexistent/cluster.yaml"])
+    assert r.exit_code == 2 and "no such file" in r.stderr
+
+
+def test_render_writes_only_its_files(tmp_path: Path) -> None:
+    (tmp_path / "mine.txt").write_text("keep me")
+    r = runner.invoke(app, ["render", str(SPECS / "full.happy.yaml"), "-o", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".deepspeed_env",
+        "hostfile",
+        "inventory.yml",
+        "mine.txt",
+        "ssh_config",
+    ]
+    assert (tmp_path / "mine.txt").read_text() == "keep me"
+    inv = yaml.safe_load((tmp_path / "inventory.yml").read_text())
+    assert inv["all"]["children"]["chief"]["hosts"]["node-1"]["nodeops_node_rank"] == 0
+
+
+def test_render_bad_spec_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["render", str(SPECS / "no-chief.error.no-chief.yaml"), "-o", str(out)])
+    assert r.exit_code == 2
+    assert not out.exists()
+
+
+def test_render_unset_from_env_is_exit_2(tmp_path: Path) -> None:
+    spec = tmp_path / "c.yaml"
+    spec.write_text("nodes: [{address: 10.0.0.1}]\nenv: {RUN: {from_env: NODEOPS_TEST_UNSET_VAR}}\n")
+    r = runner.invoke(app, ["render", str(spec), "-o", str(tmp_path / "o")], env={"NODEOPS_TEST_UNSET_VAR": None})
+    assert r.exit_code == 2 and "NODEOPS_TEST_UNSET_VAR is not set" in r.stderr
+
+
+def test_schema_is_json_schema() -> None:
+    r = runner.invoke(app, ["schema"])
+    doc = json.loads(r.stdout)
+    assert doc["title"] == "nodeops resource spec"
+    assert "nodes" in doc["required"]
+    assert doc["$defs"]["Node"]["additionalProperties"] is False
+
+
+def test_import_hostfile_round_trip(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.yaml"
+    hf = SHARED / "peers/deepspeed/hostfiles/ok-order-preserved"
+    r = runner.invoke(app, ["import-hostfile", str(hf), "--user", "ml", "--port", "2222", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    r2 = runner.invoke(app, ["render", str(out), "-o", str(tmp_path / "r")])
+    assert r2.exit_code == 0, r2.output
+    assert (tmp_path / "r/hostfile").read_text() == "node-b slots=1\nnode-a slots=2\nnode-c slots=1\n"
+    # and the exported hostfile parses back into the same spec
+    r3 = runner.invoke(app, ["import-hostfile", str(tmp_path / "r/hostfile"), "--user", "ml", "--port", "2222"])
+    assert yaml.safe_load(r3.stdout)["nodes"] == yaml.safe_load(out.read_text())["nodes"]
+
+
+def test_import_hostfile_refuses_to_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.yaml"
+    out.write_text("precious")
+    r = runner.invoke(app, ["import-hostfile", str(SHARED / "peers/deepspeed/hostfiles/ok-basic"), "-o", str(out)])
+    assert r.exit_code == 2 and "--force" in r.stderr
+    assert out.read_text() == "precious"
+
+
+def test_import_bad_hostfile_names_line() -> None:
+    hf = SHARED / "peers/deepspeed/hostfiles/bad-duplicate-host"
+    r = runner.invoke(app, ["import-hostfile", str(hf)])
+    assert r.exit_code == 2
+    assert f"{hf}:3:1: error: hostfile: multiple entries for worker-0 (first on line 1)" in r.stderr
+
+
+def test_import_loopback_hostfile_names_line() -> None:
+    hf = SHARED / "peers/deepspeed/hostfiles/ok-localhost-and-ip"
+    r = runner.invoke(app, ["import-hostfile", str(hf)])
+    assert r.exit_code == 2 and f"{hf}:1:1" in r.stderr and "loopback" in r.stderr
+
+
+def test_console_script_runs_as_a_process() -> None:
+    """The installed entry point, not just the typer app, reports errors with exit 2."""
+    p = subprocess.run(
+        [sys.executable, "-m", "nodeops", "validate", str(SPECS / "no-chief.error.no-chief.yaml")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert p.returncode == 2 and "none is marked chief" in p.stderr
