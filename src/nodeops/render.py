@@ -235,7 +235,8 @@ def deepspeed_env(spec: ResourceSpec, environ: Mapping[str, str]) -> tuple[str, 
 def render(loaded: LoadedSpec, environ: Mapping[str, str]) -> Rendered:
     spec = loaded.spec
     header = f"# {HEADER.format(file=Path(loaded.file).name)}\n"
-    inv = yaml.safe_dump(inventory(loaded, environ), sort_keys=False, default_flow_style=False, width=1000)
+    dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
+    inv = yaml.dump(inventory(loaded, environ), Dumper=dumper, sort_keys=False, default_flow_style=False, width=1000)
     ds_env, warnings = deepspeed_env(spec, environ)
     if (
         spec.launch.rendezvous == "static"

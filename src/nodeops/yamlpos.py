@@ -57,15 +57,19 @@ class YamlSyntaxError(ValueError):
         self.message = message
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate mapping keys instead of silently keeping the last."""
+# libyaml's parser is ~10x faster than the pure-Python one on a 1,000-node spec; both keep marks.
+_BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _UniqueKeyLoader(_BaseLoader):  # type: ignore[valid-type,misc]
+    """Safe loader that rejects duplicate mapping keys instead of silently keeping the last."""
 
 
 def _mark(node: yaml.Node) -> Pos:
     return Pos(node.start_mark.line + 1, node.start_mark.column + 1)
 
 
-def _walk(loader: yaml.SafeLoader, node: yaml.Node, path: Path_, out: Located) -> None:
+def _walk(loader: _UniqueKeyLoader, node: yaml.Node, path: Path_, out: Located) -> None:
     out.values[path] = _mark(node)
     if isinstance(node, yaml.MappingNode):
         seen: dict[Any, Pos] = {}

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The project's test command (README quick start, and what .ci/run calls):
+# linters first (fast), then the test suite. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/bootstrap.sh
+export PATH="$PWD/.venv/bin:$PATH"
+
+echo "==> ruff";     ruff check src tests bench && ruff format --check src tests bench
+echo "==> mypy";     mypy
+echo "==> yamllint"; yamllint --strict .
+echo "==> pytest";   pytest "$@"

@@ -1,0 +1,63 @@
+"""A real wheel, installed non-editable into a fresh venv, works from another directory.
+
+The fresh venv gets nodeops from the wheel only. Its third-party dependencies are borrowed
+from the test interpreter's site-packages through a .pth line (no network needed); a .pth
+line does not process that directory's own .pth files, so the editable checkout is not seen.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def run(*cmd: str | Path, cwd: Path | None = None) -> str:
+    p = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, check=False)
+    assert p.returncode == 0, f"{cmd} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}"
+    return p.stdout
+
+
+def test_wheel_ships_data_and_runs_from_elsewhere(tmp_path: Path) -> None:
+    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", tmp_path / "dist", ROOT)
+    (wheel,) = (tmp_path / "dist").glob("nodeops-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for data in ("playbooks", "roles", "templates"):
+        assert any(n.startswith(f"nodeops/{data}/") for n in names), f"{data}/ missing from {wheel.name}"
+
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", "--without-pip", venv)
+    py = venv / "bin" / "python"
+    run(sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", wheel)
+    site = Path(run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip())
+    (site / "zz_borrowed_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    where = run(
+        py,
+        "-c",
+        "import nodeops, nodeops.resources as r; print(nodeops.__file__); print(r.data_dir('roles'))",
+        cwd=elsewhere,
+    ).split()
+    assert all(Path(w).is_relative_to(venv) for w in where), where
+
+    spec = elsewhere / "c.yaml"
+    spec.write_text("nodes:\n  - address: 10.0.0.1\n    chief: true\n  - address: 10.0.0.2\n")
+    out = run(venv / "bin" / "nodeops", "validate", spec, cwd=elsewhere)
+    assert "valid: 2 node(s)" in out
+    p = subprocess.run(
+        [venv / "bin" / "nodeops", "validate", ROOT / "tests/specs/no-chief.error.no-chief.yaml"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert p.returncode == 2 and "none is marked chief" in p.stderr
