@@ -6,7 +6,10 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
-echo "==> ruff";     ruff check src tests bench && ruff format --check src tests bench
+# One command per line: under `set -e`, a failure on the left of `&&` would not stop the script.
+echo "==> ruff";     ruff check src tests bench
+                     ruff format --check src tests bench
 echo "==> mypy";     mypy
 echo "==> yamllint"; yamllint --strict .
+echo "==> docker";   bash scripts/ensure-docker.sh   # integration tests run real sshd containers
 echo "==> pytest";   pytest "$@"

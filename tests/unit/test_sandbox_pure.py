@@ -1,0 +1,47 @@
+"""Pure parts of the sandbox: argument checks, the spec it writes, mirror discovery."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nodeops import sandbox
+from nodeops.spec import load_spec_text
+
+
+def test_addresses_start_at_11() -> None:
+    assert sandbox._check_args("x", 3, "10.9.8.0/24") == ["10.9.8.11", "10.9.8.12", "10.9.8.13"]
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "subnet", "message"),
+    [
+        ("Bad Name", 1, "10.9.8.0/24", "sandbox name"),
+        ("ok", 1, "10.9.8.0/33", "not a network"),
+        ("ok", 1, "fd00::/64", "IPv4"),
+        ("ok", 300, "10.9.8.0/24", "fits 1 to 244 nodes"),
+        ("ok", 0, "10.9.8.0/24", "fits"),
+    ],
+)
+def test_bad_arguments(name: str, n: int, subnet: str, message: str) -> None:
+    with pytest.raises(sandbox.SandboxError, match=message):
+        sandbox._check_args(name, n, subnet)
+
+
+def test_spec_text_is_a_valid_autodist_spec(tmp_path: Path) -> None:
+    nodes = [sandbox.NodeInfo(f"node{i}", f"c{i}", f"10.0.0.{10 + i}", "running") for i in (1, 2)]
+    spec = load_spec_text(sandbox.spec_text("t", nodes, tmp_path)).spec
+    assert spec.chief.address == "10.0.0.11"
+    assert spec.group(spec.nodes[1]).known_hosts == str(tmp_path / "known_hosts")
+
+
+def test_apt_mirror_from_deb822(tmp_path: Path) -> None:
+    f = tmp_path / "debian.sources"
+    f.write_text("Types: deb\n# comment\nURIs: http://mirror.example/debian\nSuites: bookworm\n")
+    assert sandbox.apt_mirror(f) == "http://mirror.example/debian"
+
+
+def test_recipe_hash_is_stable() -> None:
+    assert sandbox.recipe_hash() == sandbox.recipe_hash()
+    assert sandbox.default_image().startswith("nodeops-sandbox-node:bookworm-")
