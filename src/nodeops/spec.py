@@ -326,6 +326,20 @@ class NetworkSpec(_Model):
         return v
 
 
+class MeshSpec(_Model):
+    mode: Literal["chief", "full"] = Field("chief", description="'chief': the chief can ssh to every node; 'full': all pairs.")
+    key_file: str | None = Field(
+        None,
+        description="Controller private key to install as the chief's mesh key. Default: the chief generates its own "
+        "(private keys are never copied unless you set this).",
+    )
+
+    @field_validator("key_file")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        return None if v is None else _check_path(v, "key_file")
+
+
 class LaunchSpec(_Model):
     runner: Literal["torchrun", "mpirun", "deepspeed"] = Field("torchrun", description="How ranks are started.")
     master_port: Port = Field(29500, description="MASTER_PORT on the chief.")
@@ -358,6 +372,7 @@ class ResourceSpec(_Model):
     python: PythonSpec | None = Field(None, description="nodeops: the Python env to build on every node.")
     workdir: WorkdirSpec | None = Field(None, description="nodeops: the shared working directory.")
     network: NetworkSpec = Field(default_factory=NetworkSpec, description="nodeops: NCCL/GLOO settings.")
+    mesh: MeshSpec = Field(default_factory=MeshSpec, description="nodeops: passwordless ssh between the nodes.")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="nodeops: how training is started.")
 
     @field_validator("name")
