@@ -118,10 +118,14 @@ def host_vars(spec: ResourceSpec, node: Node, rank: int, spec_dir: Path) -> dict
     return hv
 
 
+RUNNER_PACKAGES = {"torchrun": [], "mpirun": ["openmpi-bin"], "deepspeed": ["pdsh"]}
+
+
 def inventory(loaded: LoadedSpec, environ: Mapping[str, str]) -> dict[str, Any]:
     spec = loaded.spec
     ranked = spec.ranked_nodes()
     env_values, secret_names = resolve_env(spec, environ)
+    ds_env, _ = deepspeed_env_vars(spec, environ)
     all_vars: dict[str, Any] = {
         "nodeops_cluster": loaded.cluster_name,
         "nodeops_master_addr": spec.chief.address,
@@ -136,8 +140,14 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str]) -> dict[str, Any]:
         "nodeops_nccl_env": dict(spec.network.nccl),
         "nodeops_env": env_values,
         "nodeops_secret_env_names": secret_names,
+        "nodeops_deepspeed_env": ds_env,
+        "nodeops_hostfile_hosts": [{"host": n.address, "slots": spec.nproc(n)} for n in ranked],
+        "nodeops_runner_packages": RUNNER_PACKAGES[spec.launch.runner],
+        "nodeops_mesh_mode": spec.mesh.mode,
         "ansible_python_interpreter": "auto_silent",
     }
+    if spec.mesh.key_file:
+        all_vars["nodeops_mesh_key_file"] = controller_path(spec.mesh.key_file, loaded.spec_dir)
     if spec.python is not None:
         py = spec.python
         all_vars["nodeops_python"] = {
@@ -210,8 +220,8 @@ def hostfile(spec: ResourceSpec) -> str:
     return deepspeed.render_hostfile({n.address: spec.nproc(n) for n in spec.ranked_nodes()})
 
 
-def deepspeed_env(spec: ResourceSpec, environ: Mapping[str, str]) -> tuple[str, list[str]]:
-    """``.deepspeed_env`` content plus warnings for what had to be left out."""
+def deepspeed_env_vars(spec: ResourceSpec, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """What goes into ``.deepspeed_env`` (never secrets), plus warnings for what had to be left out."""
     env = cluster_env(spec, environ)
     warnings: list[str] = []
     shared = {tuple(sorted(spec.group(n).shared_envs.items())) for n in spec.nodes}
@@ -229,7 +239,7 @@ def deepspeed_env(spec: ResourceSpec, environ: Mapping[str, str]) -> tuple[str, 
             warnings.append(f".deepspeed_env: {key} left out: {problem}")
         else:
             kept[key] = value
-    return deepspeed.render_env_file(kept), warnings
+    return kept, warnings
 
 
 def render(loaded: LoadedSpec, environ: Mapping[str, str]) -> Rendered:
@@ -237,7 +247,7 @@ def render(loaded: LoadedSpec, environ: Mapping[str, str]) -> Rendered:
     header = f"# {HEADER.format(file=Path(loaded.file).name)}\n"
     dumper = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
     inv = yaml.dump(inventory(loaded, environ), Dumper=dumper, sort_keys=False, default_flow_style=False, width=1000)
-    ds_env, warnings = deepspeed_env(spec, environ)
+    ds_vars, warnings = deepspeed_env_vars(spec, environ)
     if (
         spec.launch.rendezvous == "static"
         and len({spec.nproc(n) for n in spec.nodes}) > 1
@@ -249,7 +259,7 @@ def render(loaded: LoadedSpec, environ: Mapping[str, str]) -> Rendered:
             "inventory.yml": header + inv,
             "ssh_config": ssh_config(loaded),
             "hostfile": hostfile(spec),
-            ".deepspeed_env": ds_env,
+            ".deepspeed_env": deepspeed.render_env_file(ds_vars),
         },
         warnings=warnings,
     )
