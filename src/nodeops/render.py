@@ -121,6 +121,18 @@ def host_vars(spec: ResourceSpec, node: Node, rank: int, spec_dir: Path) -> dict
 RUNNER_PACKAGES = {"torchrun": [], "mpirun": ["openmpi-bin"], "deepspeed": ["pdsh"]}
 
 
+def system_packages(spec: ResourceSpec) -> list[str]:
+    """Debian packages every node needs for this spec, installed by setup in one apt run."""
+    pkgs = set(RUNNER_PACKAGES[spec.launch.runner])
+    if spec.python is not None:
+        pkgs.add("python3-venv")
+        if spec.python.wheelhouse:
+            pkgs.add("rsync")
+    if spec.workdir is not None:
+        pkgs.add({"rsync": "rsync", "nfs": "nfs-common", "none": ""}[spec.workdir.sync])
+    return sorted(p for p in pkgs if p)
+
+
 def inventory(loaded: LoadedSpec, environ: Mapping[str, str]) -> dict[str, Any]:
     spec = loaded.spec
     ranked = spec.ranked_nodes()
@@ -142,7 +154,7 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str]) -> dict[str, Any]:
         "nodeops_secret_env_names": secret_names,
         "nodeops_deepspeed_env": ds_env,
         "nodeops_hostfile_hosts": [{"host": n.address, "slots": spec.nproc(n)} for n in ranked],
-        "nodeops_runner_packages": RUNNER_PACKAGES[spec.launch.runner],
+        "nodeops_system_packages": system_packages(spec),
         "nodeops_mesh_mode": spec.mesh.mode,
         "ansible_python_interpreter": "auto_silent",
     }

@@ -327,7 +327,9 @@ class NetworkSpec(_Model):
 
 
 class MeshSpec(_Model):
-    mode: Literal["chief", "full"] = Field("chief", description="'chief': the chief can ssh to every node; 'full': all pairs.")
+    mode: Literal["chief", "full"] = Field(
+        "chief", description="'chief': the chief can ssh to every node; 'full': all pairs."
+    )
     key_file: str | None = Field(
         None,
         description="Controller private key to install as the chief's mesh key. Default: the chief generates its own "

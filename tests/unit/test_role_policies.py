@@ -10,9 +10,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-YAML_FILES = sorted(
-    p for d in ("roles", "playbooks") for p in (ROOT / d).rglob("*.yml") if "molecule" not in p.parts
-)
+YAML_FILES = sorted(p for d in ("roles", "playbooks") for p in (ROOT / d).rglob("*.yml") if "molecule" not in p.parts)
 
 
 def tasks_in(node: Any) -> Iterator[dict[str, Any]]:
@@ -42,7 +40,9 @@ def test_synchronize_always_verifies_host_keys() -> None:
         f"{p.relative_to(ROOT)}: {t.get('name')}"
         for p, t in all_tasks()
         if "ansible.posix.synchronize" in t
-        and not (t["ansible.posix.synchronize"].get("verify_host") and t["ansible.posix.synchronize"].get("use_ssh_args"))
+        and not (
+            t["ansible.posix.synchronize"].get("verify_host") and t["ansible.posix.synchronize"].get("use_ssh_args")
+        )
     ]
     assert bad == []
 

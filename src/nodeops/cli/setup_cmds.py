@@ -1,0 +1,146 @@
+"""`nodeops setup`: render the spec, then run the roles through ansible-runner with live progress."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from nodeops.cli.app import app, err, errors, fail
+from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
+
+if TYPE_CHECKING:
+    from nodeops.runner import HostResult, RunResult
+
+ROLE_TAGS = ("ssh_mesh", "python_env", "shared_path", "nccl_env", "deepspeed_env", "packages")
+PHASE_TAGS = ("install", "configure", "verify")
+
+
+def _progress_table(results: dict[str, HostResult]) -> object:
+    from rich.table import Table
+
+    table = Table(title="nodeops setup", title_justify="left", expand=False)
+    for col in ("host", "ok", "changed", "failed", "current task"):
+        table.add_column(col)
+    for hr in results.values():
+        state = "[red]failed[/]" if hr.errors else ""
+        table.add_row(hr.host, str(hr.ok), str(hr.changed), state, hr.task)
+    return table
+
+
+def print_summary(result: RunResult, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    table = Table(title=f"{title}: {result.seconds:.1f}s", title_justify="left")
+    for col in ("host", "ok", "changed", "failed", "unreachable", "skipped", "status"):
+        table.add_column(col)
+    for hr in result.hosts.values():
+        color = {"ok": "green", "failed": "red", "unreachable": "red"}[hr.status]
+        table.add_row(hr.host, str(hr.ok), str(hr.changed), str(hr.failed), str(hr.unreachable), str(hr.skipped),
+                      f"[{color}]{hr.status}[/]")  # fmt: skip
+    console.print(table)
+    for hr in result.hosts.values():
+        for e in hr.errors:
+            console.print(f"[red]{hr.host}[/]: {e}", highlight=False)
+    console.print(f"artifacts: {result.private_data_dir}", highlight=False)
+
+
+def check_targets(spec_hosts: list[str], limit: str | None, tags: list[str]) -> None:
+    if limit is not None:
+        unknown = [h for h in limit.split(",") if h and h not in spec_hosts]
+        if unknown:
+            fail(f"error: --limit: {', '.join(unknown)} not in the spec (hosts: {', '.join(spec_hosts)})", EXIT_SPEC)
+    bad = [t for t in tags if t not in ROLE_TAGS + PHASE_TAGS]
+    if bad:
+        fail(f"error: --tags: unknown {', '.join(bad)}; use {', '.join(ROLE_TAGS + PHASE_TAGS)}", EXIT_SPEC)
+
+
+def resolve_secrets(loaded_spec: object) -> dict[str, str]:
+    """Secret values from the spec or the controller's env; a missing one is a usage error (exit 2)."""
+    from nodeops.spec import ResourceSpec
+
+    assert isinstance(loaded_spec, ResourceSpec)
+    out: dict[str, str] = {}
+    for name, var in loaded_spec.env.items():
+        if not var.secret:
+            continue
+        if var.value is not None:
+            out[name] = var.value
+        elif var.from_env in os.environ:
+            out[name] = os.environ[var.from_env]
+        else:
+            fail(f"error: env.{name}: secret from_env {var.from_env} is not set in this shell; export it first",
+                 EXIT_SPEC)  # fmt: skip
+    return out
+
+
+@app.command(
+    epilog=(
+        "Examples:\n\n    nodeops setup cluster.yaml\n\n    nodeops setup cluster.yaml --check --diff\n\n"
+        "    nodeops setup cluster.yaml --limit node2 --tags python_env"
+    )
+)
+def setup(
+    spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
+    check: Annotated[
+        bool, typer.Option("--check", help="Dry run: report what would change (Ansible check mode).")
+    ] = False,
+    diff: Annotated[bool, typer.Option("--diff", help="Show file changes.")] = False,
+    limit: Annotated[
+        str | None, typer.Option(help="Only these hosts (comma-separated spec names or addresses).")
+    ] = None,
+    tags: Annotated[
+        list[str] | None, typer.Option("--tags", help=f"Only these roles/phases: {', '.join(ROLE_TAGS)}.")
+    ] = None,
+    verbose: Annotated[int, typer.Option("-v", count=True, help="Ansible verbosity (repeat for more).")] = 0,
+) -> None:
+    """Prepare every node: ssh mesh, Python env, shared workdir, NCCL/Gloo env, DeepSpeed files.
+
+    Renders the spec, then runs the roles through ansible-runner, showing each host's current
+    task, then a summary. Exit 0 only if no host failed or was unreachable; the other hosts
+    still complete, and re-running converges. A second run reports changed=0.
+    """
+    from rich.console import Console
+    from rich.live import Live
+
+    from nodeops.render import inventory
+    from nodeops.runner import run_playbook
+    from nodeops.spec import load_spec
+
+    with errors():
+        loaded = load_spec(spec)
+        for w in loaded.warnings:
+            err(str(w))
+        inv = inventory(loaded, os.environ)
+        hosts = [loaded.spec.alias(n) for n in loaded.spec.ranked_nodes()]
+        tag_list = [t for item in (tags or []) for t in item.split(",") if t]
+        check_targets(hosts, limit, tag_list)
+        chief = hosts[0]
+        if limit and chief not in limit.split(",") and (not tag_list or "ssh_mesh" in tag_list):
+            limit = f"{limit},{chief}"
+            err(f"note: the chief {chief} joins --limit: ssh_mesh needs its key (use --tags to skip ssh_mesh)")
+        secret_values = resolve_secrets(loaded.spec)
+        console = Console(stderr=True)
+        cancel = threading.Event()
+        with Live(console=console, refresh_per_second=4, transient=True) as live:
+
+            def update(results: dict[str, HostResult]) -> None:
+                live.update(_progress_table(results))  # type: ignore[arg-type]
+
+            try:
+                result = run_playbook("setup.yml", inv, secrets=secret_values, limit=limit, tags=tag_list,
+                                      check=check, diff=diff, verbosity=verbose, on_update=update, cancel=cancel)  # fmt: skip
+            except KeyboardInterrupt:
+                cancel.set()
+                raise
+        print_summary(result, "setup (check mode)" if check else "setup")
+        if not result.ok:
+            bad = [h.host for h in result.hosts.values() if h.status != "ok"]
+            fail(f"setup failed on {', '.join(bad) or 'the controller'} (ansible status {result.status}, rc {result.rc})",
+                 EXIT_FAILURE)  # fmt: skip
+        err(f"setup ok: {len(result.hosts)} host(s), {result.changed} change(s)")
