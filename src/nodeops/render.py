@@ -61,13 +61,10 @@ def activation(spec: ResourceSpec, node: Node) -> str:
     return spec.group(node).python_venv or ""
 
 
-def resolve_env(spec: ResourceSpec, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Non-secret global env values (from the spec or the controller's env) and the secret names."""
+def _env_values(spec: ResourceSpec, environ: Mapping[str, str], *, secret: bool) -> dict[str, str]:
     values: dict[str, str] = {}
-    secrets: list[str] = []
     for name, var in spec.env.items():
-        if var.secret:
-            secrets.append(name)
+        if var.secret != secret:
             continue
         if var.value is not None:
             values[name] = var.value
@@ -76,7 +73,17 @@ def resolve_env(spec: ResourceSpec, environ: Mapping[str, str]) -> tuple[dict[st
             if var.from_env not in environ:
                 raise RenderError(f"env.{name}: from_env {var.from_env} is not set in this shell; export it first")
             values[name] = environ[var.from_env]
-    return values, secrets
+    return values
+
+
+def resolve_env(spec: ResourceSpec, environ: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Non-secret global env values (from the spec or the controller's env) and the secret names."""
+    return _env_values(spec, environ, secret=False), [n for n, v in spec.env.items() if v.secret]
+
+
+def resolve_secrets(spec: ResourceSpec, environ: Mapping[str, str]) -> dict[str, str]:
+    """Secret values, for setup/launch only; they must never reach rendered files or logs."""
+    return _env_values(spec, environ, secret=True)
 
 
 def cluster_env(spec: ResourceSpec, environ: Mapping[str, str]) -> dict[str, str]:

@@ -181,7 +181,7 @@ def run_playbook(
 
     ``cfg`` replaces the generated ansible.cfg (the benchmark uses it to compare configs).
     """
-    import ansible_runner  # lazy: ~0.3 s to import, and only setup/launch/check need it
+    import ansible_runner  # type: ignore[import-untyped]  # lazy: ~0.3 s to import; only setup/launch/check need it
 
     hosts_all = _inventory_hosts(inventory)
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -60,25 +60,6 @@ def check_targets(spec_hosts: list[str], limit: str | None, tags: list[str]) -> 
         fail(f"error: --tags: unknown {', '.join(bad)}; use {', '.join(ROLE_TAGS + PHASE_TAGS)}", EXIT_SPEC)
 
 
-def resolve_secrets(loaded_spec: object) -> dict[str, str]:
-    """Secret values from the spec or the controller's env; a missing one is a usage error (exit 2)."""
-    from nodeops.spec import ResourceSpec
-
-    assert isinstance(loaded_spec, ResourceSpec)
-    out: dict[str, str] = {}
-    for name, var in loaded_spec.env.items():
-        if not var.secret:
-            continue
-        if var.value is not None:
-            out[name] = var.value
-        elif var.from_env in os.environ:
-            out[name] = os.environ[var.from_env]
-        else:
-            fail(f"error: env.{name}: secret from_env {var.from_env} is not set in this shell; export it first",
-                 EXIT_SPEC)  # fmt: skip
-    return out
-
-
 @app.command(
     epilog=(
         "Examples:\n\n    nodeops setup cluster.yaml\n\n    nodeops setup cluster.yaml --check --diff\n\n"
@@ -108,7 +89,7 @@ def setup(
     from rich.console import Console
     from rich.live import Live
 
-    from nodeops.render import inventory
+    from nodeops.render import inventory, resolve_secrets
     from nodeops.runner import run_playbook
     from nodeops.spec import load_spec
 
@@ -124,7 +105,7 @@ def setup(
         if limit and chief not in limit.split(",") and (not tag_list or "ssh_mesh" in tag_list):
             limit = f"{limit},{chief}"
             err(f"note: the chief {chief} joins --limit: ssh_mesh needs its key (use --tags to skip ssh_mesh)")
-        secret_values = resolve_secrets(loaded.spec)
+        secret_values = resolve_secrets(loaded.spec, os.environ)
         console = Console(stderr=True)
         cancel = threading.Event()
         with Live(console=console, refresh_per_second=4, transient=True) as live:
@@ -133,14 +114,16 @@ def setup(
                 live.update(_progress_table(results))  # type: ignore[arg-type]
 
             try:
-                result = run_playbook("setup.yml", inv, secrets=secret_values, limit=limit, tags=tag_list,
-                                      check=check, diff=diff, verbosity=verbose, on_update=update, cancel=cancel)  # fmt: skip
+                result = run_playbook(
+                    "setup.yml", inv, secrets=secret_values, limit=limit, tags=tag_list,
+                    check=check, diff=diff, verbosity=verbose, on_update=update, cancel=cancel,
+                )  # fmt: skip
             except KeyboardInterrupt:
                 cancel.set()
                 raise
         print_summary(result, "setup (check mode)" if check else "setup")
         if not result.ok:
             bad = [h.host for h in result.hosts.values() if h.status != "ok"]
-            fail(f"setup failed on {', '.join(bad) or 'the controller'} (ansible status {result.status}, rc {result.rc})",
-                 EXIT_FAILURE)  # fmt: skip
+            where = ", ".join(bad) or "the controller"
+            fail(f"setup failed on {where} (ansible status {result.status}, rc {result.rc})", EXIT_FAILURE)
         err(f"setup ok: {len(result.hosts)} host(s), {result.changed} change(s)")
