@@ -11,5 +11,6 @@ echo "==> ruff";     ruff check src tests bench
                      ruff format --check src tests bench
 echo "==> mypy";     mypy
 echo "==> yamllint"; yamllint --strict .
+echo "==> ansible-lint (production profile)"; ansible-lint -q
 echo "==> docker";   bash scripts/ensure-docker.sh   # integration tests run real sshd containers
 echo "==> pytest";   pytest "$@"
