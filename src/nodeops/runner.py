@@ -33,8 +33,11 @@ from nodeops.resources import data_dir
 FDS_PER_FORK = 12
 FDS_RESERVED = 128
 MAX_FORKS = 100
-# Environment passed to ansible-playbook: ANSIBLE_* plus this allow-list. Nothing else of the
-# caller's environment (tokens, cloud credentials) reaches Ansible's process tree.
+# Environment passed to ansible-playbook: ANSIBLE_*, ansible-runner's own variables and this
+# allow-list. Nothing else of the caller's environment (tokens, cloud credentials, a secret's
+# from_env source) reaches Ansible's process tree or the run's artifacts. ansible-runner
+# itself copies os.environ whole, so the filter is applied to its prepared config.
+ENV_PREFIXES = ("ANSIBLE_", "RUNNER_", "AWX_", "MITOGEN_")
 ENV_ALLOW = ("HOME", "USER", "LOGNAME", "PATH", "LANG", "LC_ALL", "TERM", "TMPDIR", "SSH_AUTH_SOCK", "VIRTUAL_ENV",
              "PYTHONPATH", "DOCKER_HOST")  # fmt: skip
 
@@ -137,7 +140,7 @@ def ansible_cfg(forks: int, control_dir: Path, mitogen: Path | None = None) -> s
             f"roles_path = {data_dir('roles')}",
             "retry_files_enabled = False",
             "interpreter_python = auto_silent",
-            "timeout = 30",
+            "timeout = 10",
             "internal_poll_interval = 0.001",
             "",
             "[ssh_connection]",
@@ -155,7 +158,12 @@ def _first_line(text: str) -> str:
 
 
 def _event_error(res: Mapping[str, Any]) -> str:
-    parts = [str(res.get("msg") or "")]
+    msg = str(res.get("msg") or "")
+    # For unreachable hosts, ssh's own line ("ssh: connect to host ...: No route to host") says why.
+    ssh_lines = [line.strip() for line in msg.splitlines() if line.strip().startswith(("ssh:", "Host key"))]
+    if ssh_lines:
+        return ssh_lines[-1]
+    parts = [msg]
     for key in ("stderr", "module_stderr", "stdout"):
         if res.get(key) and not parts[0]:
             parts.append(_first_line(str(res[key])))
@@ -227,17 +235,20 @@ def run_playbook(
                 on_update(results)
         return True
 
-    env = {k: v for k, v in os.environ.items() if k.startswith("ANSIBLE_") or k in ENV_ALLOW}
+    env = {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) or k in ENV_ALLOW}
     # ansible-playbook sits beside this interpreter (the same venv), whether or not it is on PATH.
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = os.pathsep.join([bindir, env.get("PATH", os.defpath)])
+    # ansible-runner sets ANSIBLE_HOST_KEY_CHECKING=False unless the variable is present, and the
+    # environment beats ansible.cfg. Host keys are pinned, so say it explicitly.
+    env["ANSIBLE_HOST_KEY_CHECKING"] = "True"
     if not (Path(bindir) / "ansible-playbook").exists() and shutil.which("ansible-playbook", path=env["PATH"]) is None:
         raise RunnerError("ansible-playbook not found; reinstall nodeops (it depends on ansible-core)")
     env["ANSIBLE_CONFIG"] = str(pdd / "ansible.cfg")
     env["ANSIBLE_NOCOLOR"] = "1"
     t0 = time.monotonic()
     try:
-        r = ansible_runner.run(
+        r = ansible_runner.interface.init_runner(
             private_data_dir=str(pdd),
             playbook=str(data_dir("playbooks") / playbook),
             inventory=str(pdd / "inventory" / "hosts.yml"),
@@ -251,6 +262,9 @@ def run_playbook(
             event_handler=on_event,
             cancel_callback=(lambda: cancel.is_set()) if cancel else None,
         )
+        r.config.env = {k: v for k, v in r.config.env.items() if k.startswith(ENV_PREFIXES) or k in env}
+        r.config.env.update(env)
+        r.run()
     finally:
         secrets_file.unlink(missing_ok=True)
     for stat, attr in (("ok", "ok"), ("changed", "changed"), ("failures", "failed"), ("dark", "unreachable"),
