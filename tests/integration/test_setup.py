@@ -206,3 +206,30 @@ def test_setup_refuses_unknown_host_keys(sandbox_cluster: sandbox.Sandbox, proje
             p.stderr
         )
     assert empty.read_text() == "", "nothing may be added to known_hosts behind the user's back"
+
+
+def test_nfs_mode_in_check_mode_only(sandbox_cluster: sandbox.Sandbox, tmp_path: Path) -> None:
+    """The sandbox kernel has no NFS, so the live mount is untested; check mode must plan it
+    (report a change on every node) and touch nothing: no mount, no fstab line, no mount point."""
+    spec = tmp_path / "nfs.yaml"
+    spec.write_text(sandbox_cluster.spec_path.read_text()
+                    + "workdir:\n  path: /mnt/nodeops-nfs\n  sync: nfs\n"
+                    + "  nfs: {server: 10.214.0.250, export: /exports/train, options: 'rw,hard'}\n")  # fmt: skip
+    fstab_before = ssh(sandbox_cluster, "node2", "cat /etc/fstab").stdout
+    p = setup(spec, "--check", "--tags", "shared_path")
+    assert p.returncode == 0, p.stderr
+    assert "setup (check mode)" in p.stderr
+    for host in ("node1", "node2", "node3"):
+        assert re.search(rf"│ {host} +│ \d+ +│ [1-9]\d* +│ 0 +│ 0 +│", p.stderr), p.stderr
+    assert ssh(sandbox_cluster, "node2", "cat /etc/fstab").stdout == fstab_before
+    assert ssh(sandbox_cluster, "node2", "test -e /mnt/nodeops-nfs").returncode == 1
+
+
+def test_conda_without_conda_names_host_and_fix(sandbox_cluster: sandbox.Sandbox, tmp_path: Path) -> None:
+    """The live conda path is untested (no conda in the sandbox image); its error path is."""
+    spec = tmp_path / "conda.yaml"
+    spec.write_text(sandbox_cluster.spec_path.read_text() + "python:\n  conda: train\n")
+    p = setup(spec, "--tags", "python_env", "--limit", "node3")
+    assert p.returncode == 1, p.stderr
+    assert re.search(r"node3: .*conda not found at ~/miniconda3/bin/conda on node3", p.stderr), p.stderr
+    assert "note: the chief node1 joins --limit" not in p.stderr  # --tags python_env does not need the chief
