@@ -146,3 +146,21 @@ def test_console_script_runs_as_a_process() -> None:
         check=False,
     )
     assert p.returncode == 2 and "none is marked chief" in p.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--limit", "node9"], "--limit: node9 not in the spec"),
+        (["--tags", "bogus"], "--tags: unknown bogus"),
+    ],
+)
+def test_setup_refuses_bad_targets_before_any_host(args: list[str], message: str) -> None:
+    r = runner.invoke(app, ["setup", str(SPECS / "full.happy.yaml"), *args], env={"HF_TOKEN": "x"})
+    assert r.exit_code == 2 and message in r.stderr
+    assert "artifacts:" not in r.stderr
+
+
+def test_setup_bad_spec_is_exit_2() -> None:
+    r = runner.invoke(app, ["setup", str(SPECS / "two-chiefs.error.two-chiefs.yaml")])
+    assert r.exit_code == 2 and "more than one chief" in r.stderr

@@ -1,0 +1,52 @@
+"""Pure parts of the runner: fork sizing, the generated ansible.cfg, error extraction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nodeops import runner
+
+
+@pytest.mark.parametrize(
+    ("hosts", "fd_limit", "forks"),
+    [(4, 1024, 4), (1000, 1_048_576, runner.MAX_FORKS), (200, 1024, (1024 - runner.FDS_RESERVED) // 12), (1, 10, 1)],
+)
+def test_forks_follow_hosts_cap_and_fd_limit(hosts: int, fd_limit: int, forks: int) -> None:
+    assert runner.forks_for(hosts, fd_limit) == forks
+
+
+def test_fd_limit_is_raised_to_hard_limit() -> None:
+    import resource
+
+    soft = runner.raise_fd_limit()
+    assert soft == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert soft >= 1024
+
+
+def test_generated_cfg_keeps_host_keys_checked(tmp_path: Path) -> None:
+    cfg = runner.ansible_cfg(8, tmp_path, None)
+    assert "host_key_checking = True" in cfg
+    assert "pipelining = True" in cfg and "ControlPersist" in cfg and "gathering = explicit" in cfg
+    assert "forks = 8" in cfg
+    assert "StrictHostKeyChecking" not in cfg and "strategy" not in cfg
+    assert "strategy = mitogen_linear" in runner.ansible_cfg(8, tmp_path, tmp_path)
+
+
+def test_unreachable_message_is_ssh_own_line() -> None:
+    res = {
+        "msg": "Task failed: EOF on stream; last 100 lines received:\nssh: connect to host 10.0.0.3 port 22: No route to host"
+    }
+    assert runner._event_error(res) == ssh_line
+    assert runner._event_error({"msg": "", "stderr": "boom\nmore"}) == "boom"
+
+
+def test_inventory_hosts_in_order() -> None:
+    inv = {"all": {"children": {"chief": {"hosts": {"a": {}}}, "workers": {"hosts": {"b": {}, "c": {}}}}}}
+    assert runner._inventory_hosts(inv) == ["a", "b", "c"]
+
+
+def test_mitogen_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODEOPS_MITOGEN", "0")
+    assert runner.mitogen_strategy_dir() is None
