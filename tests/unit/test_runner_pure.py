@@ -35,9 +35,8 @@ def test_generated_cfg_keeps_host_keys_checked(tmp_path: Path) -> None:
 
 
 def test_unreachable_message_is_ssh_own_line() -> None:
-    res = {
-        "msg": "Task failed: EOF on stream; last 100 lines received:\nssh: connect to host 10.0.0.3 port 22: No route to host"
-    }
+    ssh_line = "ssh: connect to host 10.0.0.3 port 22: No route to host"
+    res = {"msg": f"Task failed: EOF on stream; last 100 lines received:\n{ssh_line}"}
     assert runner._event_error(res) == ssh_line
     assert runner._event_error({"msg": "", "stderr": "boom\nmore"}) == "boom"
 
