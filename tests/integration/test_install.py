@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -61,3 +62,15 @@ def test_wheel_ships_data_and_runs_from_elsewhere(tmp_path: Path) -> None:
         check=False,
     )
     assert p.returncode == 2 and "none is marked chief" in p.stderr
+
+
+def test_roles_build_as_a_collection(tmp_path: Path) -> None:
+    galaxy = Path(sys.executable).parent / "ansible-galaxy"
+    run(galaxy, "collection", "build", "--output-path", tmp_path, ROOT, cwd=ROOT)
+    (tarball,) = tmp_path.glob("nodeops-cluster-*.tar.gz")
+    with tarfile.open(tarball) as tar:
+        names = tar.getnames()
+    for role in ("ssh_mesh", "python_env", "shared_path", "nccl_env", "deepspeed_env"):
+        assert f"roles/{role}/tasks/main.yml" in names
+        assert f"roles/{role}/meta/argument_specs.yml" in names
+    assert not [n for n in names if n.startswith(("src/", "tests/", ".venv/", ".cache/"))]

@@ -233,3 +233,16 @@ def test_conda_without_conda_names_host_and_fix(sandbox_cluster: sandbox.Sandbox
     assert p.returncode == 1, p.stderr
     assert re.search(r"node3: .*conda not found at ~/miniconda3/bin/conda on node3", p.stderr), p.stderr
     assert "note: the chief node1 joins --limit" not in p.stderr  # --tags python_env does not need the chief
+
+
+def test_full_mesh_lets_every_node_reach_every_node(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object, tmp_path: Path
+) -> None:
+    spec = tmp_path / "full.yaml"
+    spec.write_text((project / "cluster.yaml").read_text() + "mesh: {mode: full}\n")
+    p = setup(spec, "--tags", "ssh_mesh", env={"NODEOPS_IT_SECRET": SECRET})
+    assert p.returncode == 0, p.stderr
+    for src in ("node2", "node3"):
+        for dst in sandbox_cluster.nodes:
+            q = ssh(sandbox_cluster, src, f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {dst.address} uname -n")
+            assert q.returncode == 0 and q.stdout.strip() == dst.name, f"{src} -> {dst.name}: {q.stderr}"

@@ -1,0 +1,125 @@
+"""Launch commands per host, and the job script that carries user arguments literally."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jinja2
+from ansible.plugins.filter.core import quote as ansible_quote
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeops import launchers
+from nodeops.resources import data_dir
+from nodeops.spec import load_spec_text
+
+SPEC = """
+nodes:
+  - {address: 10.0.0.1, chief: true, gpus: [0, 1]}
+  - {address: 10.0.0.2, gpus: [0, 1]}
+  - {address: 10.0.0.3, gpus: [0, 1]}
+"""
+HETERO = """
+nodes:
+  - {address: 10.0.0.1, chief: true, cpus: [0], nproc: 2}
+  - {address: 10.0.0.2, cpus: [0]}
+  - {address: 10.0.0.3, cpus: [0]}
+launch: {runner: torchrun, max_restarts: 3}
+"""
+
+
+def test_torchrun_static_gives_each_host_its_rank() -> None:
+    plan = launchers.plan(load_spec_text(SPEC).spec, ["train.py", "--lr", "1e-3"], "r1")
+    assert [h.node_rank for h in plan] == [0, 1, 2]
+    for h in plan:
+        assert h.argv[:3] == ["python3", "-m", "torch.distributed.run"]
+        assert h.argv[h.argv.index("--node-rank") + 1] == str(h.node_rank)
+        assert h.argv[h.argv.index("--master-addr") + 1] == "10.0.0.1"
+        assert h.argv[-3:] == ["train.py", "--lr", "1e-3"]
+        assert h.env["NODE_RANK"] == str(h.node_rank) and h.env["NNODES"] == "3" and h.env["WORLD_SIZE"] == "6"
+        assert h.env["MASTER_ADDR"] == "10.0.0.1" and h.env["NODEOPS_RUN_ID"] == "r1"
+
+
+def test_heterogeneous_nproc_uses_c10d_and_max_restarts() -> None:
+    plan = launchers.plan(load_spec_text(HETERO).spec, ["t.py"], "run-7")
+    assert [h.nproc for h in plan] == [2, 1, 1]
+    for h in plan:
+        assert "--node-rank" not in h.argv
+        assert h.argv[h.argv.index("--rdzv-backend") + 1] == "c10d"
+        assert h.argv[h.argv.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
+        assert h.argv[h.argv.index("--rdzv-id") + 1] == "run-7"
+        assert h.argv[h.argv.index("--max-restarts") + 1] == "3"
+    assert plan[0].env["WORLD_SIZE"] == "4"
+
+
+def test_mpirun_runs_once_from_the_chief_with_env_by_name() -> None:
+    spec = load_spec_text(SPEC + "launch: {runner: mpirun}\n").spec
+    plan = launchers.plan(spec, ["train.py"], "r", socket_ifname="eth0", env_names=["HF_TOKEN"], shim_path="/s/shim")
+    assert plan[1].argv == [] and plan[2].argv == []
+    argv = plan[0].argv
+    assert argv[:5] == ["mpirun", "-np", "6", "-H", "10.0.0.1:2,10.0.0.2:2,10.0.0.3:2"]
+    assert argv[5:9] == ["--bind-to", "none", "--map-by", "slot"]
+    assert argv[argv.index("btl_tcp_if_include") + 1] == "eth0"
+    assert argv[argv.index("-x", argv.index("HF_TOKEN") - 1) + 1] == "HF_TOKEN"
+    assert not any("=" in a for a in argv), "values never go on mpirun's command line"
+    assert argv[-3:] == ["/s/shim", "python3", "train.py"]
+
+
+def test_deepspeed_runs_from_the_chief_with_the_hostfile() -> None:
+    spec = load_spec_text(SPEC + "launch: {runner: deepspeed, master_port: 29600}\n").spec
+    plan = launchers.plan(spec, ["train.py", "--deepspeed"], "r", hostfile_path="/h/hostfile")
+    assert plan[0].argv == ["deepspeed", "--hostfile", "/h/hostfile", "--master_addr", "10.0.0.1",
+                            "--master_port", "29600", "train.py", "--deepspeed"]  # fmt: skip
+    assert [h.argv for h in plan[1:]] == [[], []]
+
+
+def test_script_mode_exposes_the_runner_prefix() -> None:
+    plan = launchers.plan(load_spec_text(SPEC).spec, ["--epochs", "2"], "r", script="run.sh")
+    assert plan[1].argv == ["bash", "run.sh", "--epochs", "2"]
+    assert plan[1].env["NODEOPS_RUNNER"].startswith("python3 -m torch.distributed.run --nnodes 3")
+    assert "--node-rank 1" in plan[1].env["NODEOPS_RUNNER"]
+
+
+def test_mpi_shim_maps_ranks(tmp_path: Path) -> None:
+    shim = tmp_path / "shim"
+    shim.write_text(launchers.MPI_SHIM)
+    env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PATH": "/usr/bin:/bin"}  # fmt: skip
+    out = subprocess.run(["sh", str(shim), "sh", "-c", 'echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE"'],
+                         env=env, capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert out.split() == ["3", "4", "1", "2"]
+
+
+def render_job(argv: list[str], env: dict[str, str], workdir: str) -> str:
+    """The real template, rendered with Ansible's own `quote` filter (what the playbook uses)."""
+    j = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False)
+    j.filters["quote"] = ansible_quote
+    tpl = j.from_string((data_dir("templates") / "launch" / "job.sh.j2").read_text())
+    return tpl.render(run_id="r", host="h", node_rank=0, workdir=workdir, env_file="", activate="", env=env,
+                      argv=argv)  # fmt: skip
+
+
+ARGS = st.lists(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40),
+                max_size=6)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None)
+@given(args=ARGS, value=st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=30))
+def test_user_arguments_reach_sys_argv_literally(tmp_path_factory: object, args: list[str], value: str) -> None:
+    probe = "import json, os, sys; print(json.dumps([sys.argv[1:], os.environ['NODEOPS_PROBE']]))"
+    script = render_job([sys.executable, "-c", probe, *args], {"NODEOPS_PROBE": value}, "/")
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False)
+    assert p.returncode == 0, (script, p.stderr)
+    assert json.loads(p.stdout) == [args, value]
+
+
+def test_tricky_arguments_explicitly() -> None:
+    args = ["--prompt", "I am 6' tall", 'I am 72" tall', "$(touch /tmp/pwned)", "a; rm -rf /", "line1\nline2", "", "*"]
+    probe = "import json, sys; print(json.dumps(sys.argv[1:]))"
+    p = subprocess.run(["bash", "-c", render_job([sys.executable, "-c", probe, *args], {}, "/")],
+                       capture_output=True, text=True, check=True)  # fmt: skip
+    assert json.loads(p.stdout) == args
+    assert not Path("/tmp/pwned").exists()
