@@ -87,19 +87,13 @@ def test_up_with_other_size_is_refused(sandbox_cluster: sandbox.Sandbox) -> None
 
 
 def _leftovers(name: str) -> tuple[str, str]:
-    cs = subprocess.run(
-        ["docker", "ps", "-a", "--filter", f"label={sandbox.LABEL}={name}", "-q"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    ns = subprocess.run(
-        ["docker", "network", "ls", "--filter", f"label={sandbox.LABEL}={name}", "-q"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return cs.strip(), ns.strip()
+    """Ids of containers and networks still labelled for sandbox ``name``."""
+    found = [
+        subprocess.run(["docker", *kind, "--filter", f"label={sandbox.LABEL}={name}", "-q"],
+                       capture_output=True, text=True, check=True).stdout.strip()
+        for kind in (["ps", "-a"], ["network", "ls"])
+    ]  # fmt: skip
+    return found[0], found[1]
 
 
 def test_failed_up_removes_what_it_created(sandbox_cluster: sandbox.Sandbox) -> None:
