@@ -176,6 +176,7 @@ def run_playbook(
     *,
     kind: str = "setup",
     secrets: Mapping[str, str] | None = None,
+    extravars: Mapping[str, Any] | None = None,
     limit: str | None = None,
     tags: Sequence[str] = (),
     check: bool = False,
@@ -207,11 +208,17 @@ def run_playbook(
     results = {h: HostResult(h) for h in hosts_all}
     secrets_file = pdd / "secrets.yml"
     cmdline: list[str] = []
+    # Extra vars go in 0600 files passed as -e @file: never values on a command line.
+    var_files: list[tuple[Path, dict[str, Any]]] = []
+    if extravars:
+        var_files.append((pdd / "vars.yml", dict(extravars)))
     if secrets:
-        fd = os.open(secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        var_files.append((secrets_file, {"nodeops_secret_env": dict(secrets)}))
+    for path, data in var_files:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            yaml.safe_dump({"nodeops_secret_env": dict(secrets)}, f)
-        cmdline += ["-e", f"@{secrets_file}"]
+            yaml.safe_dump(data, f)
+        cmdline += ["-e", f"@{path}"]
     if check:
         cmdline.append("--check")
     if diff:
@@ -260,7 +267,9 @@ def run_playbook(
             quiet=True,
             suppress_env_files=True,
             event_handler=on_event,
-            cancel_callback=(lambda: cancel.is_set()) if cancel else None,
+            # Always pass a callback: without one, ansible-runner installs its own SIGINT/SIGTERM
+            # handlers for the whole process and never restores them, so Ctrl-C stops working.
+            cancel_callback=(lambda: cancel.is_set()) if cancel else (lambda: False),
         )
         r.config.env = {k: v for k, v in r.config.env.items() if k.startswith(ENV_PREFIXES) or k in env}
         r.config.env.update(env)

@@ -6,87 +6,19 @@ The tests in this module share one setup run (module fixture) and then look at t
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from nodeops import sandbox
 
-ROOT = Path(__file__).resolve().parents[2]
-NODEOPS = str(Path(sys.executable).parent / "nodeops")
-WHEELHOUSE = ROOT / ".cache" / "wheelhouse-torch"
-SECRET = "s3cr3t-" + hashlib.sha256(b"nodeops-it").hexdigest()[:12]
-USER_KEY_LINE = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIUserOwnKeyForTest user@laptop"
-WORKDIR = "/srv/nodeops-it"
+from .conftest import NODEOPS, SECRET, USER_KEY_LINE, WORKDIR, setup, ssh
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def wheelhouse() -> Path:
-    """torch 2.13.0 (CPU, from this machine's pip cache) and its dependencies, downloaded once."""
-    if not (WHEELHOUSE / ".complete").exists():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "torch==2.13.0", "-d", str(WHEELHOUSE)],
-            check=True, timeout=900,
-        )  # fmt: skip
-        (WHEELHOUSE / ".complete").touch()
-    return WHEELHOUSE
-
-
-def ssh(sb: sandbox.Sandbox, host: str, command: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ssh", "-F", str(sb.ssh_config), host, command],
-                          capture_output=True, text=True, timeout=120, check=False)  # fmt: skip
-
-
-def setup(spec: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([NODEOPS, "setup", str(spec), *args], capture_output=True, text=True, timeout=1200,
-                          check=False, env={**os.environ, "COLUMNS": "200", **(env or {})})  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def project(sandbox_cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A training project dir whose spec extends the sandbox's with every nodeops section."""
-    d = tmp_path_factory.mktemp("project")
-    (d / "train.py").write_text("print('train')\n")
-    (d / "data").mkdir()
-    (d / "data" / "config.json").write_text('{"lr": 0.001}\n')
-    (d / ".git").mkdir()
-    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
-    spec = sandbox_cluster.spec_path.read_text() + (
-        "env:\n"
-        "  OMP_NUM_THREADS: 1\n"
-        "  IT_SECRET: {from_env: NODEOPS_IT_SECRET, secret: true}\n"
-        "python:\n"
-        "  venv: ~/.venvs/train\n"
-        "  packages: ['torch==2.13.0']\n"
-        f"  wheelhouse: {wheelhouse()}\n"
-        "workdir:\n"
-        f"  path: {WORKDIR}\n"
-        "network:\n"
-        "  ib: 'off'\n"
-        "  nccl: {NCCL_DEBUG: WARN}\n"
-    )
-    (d / "cluster.yaml").write_text(spec)
-    return d
-
-
-@pytest.fixture(scope="module")
-def first_run(sandbox_cluster: sandbox.Sandbox, project: Path) -> Iterator[subprocess.CompletedProcess[str]]:
-    """Seed user-owned lines on the nodes, then run setup once."""
-    sb = sandbox_cluster
-    assert ssh(sb, "node2", f"printf '%s\\n' '{USER_KEY_LINE}' >> ~/.ssh/authorized_keys").returncode == 0
-    before = ssh(sb, "node2", "cat ~/.ssh/authorized_keys").stdout
-    t = time.monotonic()
-    p = setup(project / "cluster.yaml", env={"NODEOPS_IT_SECRET": SECRET})
-    print(f"first setup took {time.monotonic() - t:.1f}s")
-    p.authorized_keys_before = before  # type: ignore[attr-defined]
-    yield p
 
 
 def test_first_setup_succeeds(first_run: subprocess.CompletedProcess[str]) -> None:

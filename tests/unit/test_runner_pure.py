@@ -49,3 +49,16 @@ def test_inventory_hosts_in_order() -> None:
 def test_mitogen_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NODEOPS_MITOGEN", "0")
     assert runner.mitogen_strategy_dir() is None
+
+
+def test_root_cause_prefers_a_real_exit_over_a_signal_death() -> None:
+    from collections import deque
+
+    from nodeops.jobs import HostState, root_cause
+
+    aborted = HostState("node1", exit_code=1, ended_at=1.0, tail=deque(["  exitcode  : -6 (pid: 9)  (SIGABRT)"]))
+    real = HostState("node3", exit_code=1, ended_at=2.0, tail=deque(["  exitcode  : 1 (pid: 7)"]))
+    ok = HostState("node2", exit_code=0, ended_at=0.5)
+    assert root_cause([aborted, real, ok]) is real
+    assert root_cause([aborted, ok]) is aborted
+    assert root_cause([ok]) is None

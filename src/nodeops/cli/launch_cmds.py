@@ -1,0 +1,132 @@
+"""`nodeops launch` and `nodeops runner-prefix`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nodeops.cli.app import CONTEXT, app, err, errors, fail
+from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
+
+
+@app.command(
+    context_settings={**CONTEXT, "allow_extra_args": True, "ignore_unknown_options": True},
+    epilog=(
+        "Examples:\n\n    nodeops launch cluster.yaml -- train.py --lr 1e-3\n\n"
+        "    nodeops launch cluster.yaml --script run.sh -- --epochs 2   # run.sh calls $NODEOPS_RUNNER train.py"
+    ),
+)
+def launch(
+    ctx: typer.Context,
+    spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
+    script: Annotated[
+        str | None, typer.Option(help="A bash script (in the workdir) that calls $NODEOPS_RUNNER train.py ...")
+    ] = None,
+) -> None:
+    """Start training on every host: torchrun per host, or mpirun/deepspeed from the chief.
+
+    Every line of every rank is streamed live as `host [rankN]: ...`. If any rank fails, every
+    rank on every host is stopped (SIGTERM to the job's process group, then SIGKILL to whatever
+    still carries the run's id) and the exit code is the failing rank's; the first failing
+    host is named with its last lines. Ctrl-C stops everything and exits 130. Arguments after
+    `--` reach the script literally.
+    """
+    from nodeops import jobs, launchers
+    from nodeops.render import inventory, resolve_secrets, ssh_config
+    from nodeops.resources import data_dir
+    from nodeops.runner import run_playbook
+    from nodeops.spec import load_spec
+
+    user_argv = list(ctx.args)
+    if user_argv[:1] == ["--"]:
+        user_argv = user_argv[1:]
+    with errors():
+        loaded = load_spec(spec)
+        if not user_argv and script is None:
+            fail("error: nothing to run; give the training script after `--`, e.g. -- train.py", EXIT_SPEC)
+        s = loaded.spec
+        inv = inventory(loaded, os.environ)
+        resolve_secrets(s, os.environ)  # a missing secret is exit 2 here, before any host
+        run_id = jobs.new_run_id()
+        local = jobs.jobs_dir() / run_id
+        local.mkdir(mode=0o700)
+        (local / "ssh_config").write_text(ssh_config(loaded))
+        ifname = s.network.socket_ifname if s.network.socket_ifname != "auto" else None
+        plan = launchers.plan(
+            s, user_argv, run_id, socket_ifname=ifname, env_names=sorted(s.env), script=script,
+            shim_path=f"$HOME/{jobs.remote_dir(run_id)}/mpi_shim.sh",
+            hostfile_path=f"~/.nodeops/{loaded.cluster_name}/hostfile",
+        )  # fmt: skip
+        started = [h.host for h in plan if h.argv]
+        (local / "job.json").write_text(json.dumps({
+            "run_id": run_id, "spec": str(spec.resolve()), "hosts": started, "argv": user_argv,
+            "runner": s.launch.runner, "started": time.time(),
+        }, indent=2))  # fmt: skip
+        err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)}")
+        t0 = time.monotonic()
+        extravars = {
+            "nodeops_run_id": run_id,
+            "nodeops_templates": str(data_dir("templates")),
+            "nodeops_mpi_shim": launchers.MPI_SHIM,
+            "nodeops_launch_plan": {h.host: {"argv": h.argv, "env": h.env} for h in plan},
+        }
+        result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
+        if not result.ok:
+            for hr in result.hosts.values():
+                for e in hr.errors:
+                    err(f"{hr.host}: {e}")
+            bad = [h.host for h in result.hosts.values() if h.status != "ok"]
+            jobs.teardown(local / "ssh_config", started, run_id)
+            fail(f"launch failed on {', '.join(bad)}; nothing is left running", EXIT_FAILURE)
+        err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
+
+        def emit(host: str, line: str) -> None:
+            sys.stdout.write(f"{host} {line}\n" if line.startswith("[") else f"{host} | {line}\n")
+            sys.stdout.flush()
+
+        res = jobs.follow(local / "ssh_config", started, run_id, emit)
+        (local / "result.json").write_text(json.dumps({
+            h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()
+        }))  # fmt: skip
+        if res.interrupted:
+            fail(f"==> run {run_id} interrupted; every rank on every host was stopped", res.exit_code)
+        if res.root_cause is not None:
+            rc = res.root_cause
+            why = f"exit code {rc.exit_code}" if rc.exit_code and rc.exit_code > 0 else rc.lost_reason
+            err(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); last lines:")
+            for line in rc.tail:
+                err(f"    {rc.host} {line}")
+            if res.teardown_seconds is not None:
+                err(f"==> stopped every other rank in {res.teardown_seconds:.1f}s")
+            raise typer.Exit(res.exit_code)
+        err(f"==> run {run_id} finished: every host exited 0")
+
+
+@app.command("runner-prefix", epilog="Example:\n\n    nodeops runner-prefix cluster.yaml --host node2")
+def runner_prefix(
+    spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
+    host: Annotated[str, typer.Option(help="Host name or address from the spec.")],
+    run_id: Annotated[str, typer.Option(help="Rendezvous id for c10d.")] = "nodeops",
+) -> None:
+    """Print the torchrun launcher prefix for one host (madengine's MAD_MULTI_NODE_RUNNER style).
+
+    Append your script: `$(nodeops runner-prefix c.yaml --host node2) train.py --lr 1e-3`.
+    """
+    import shlex
+
+    from nodeops.launchers import runner_prefix as prefix
+    from nodeops.spec import load_spec
+
+    with errors():
+        s = load_spec(spec).spec
+        node = next((n for n in s.nodes if host in (n.address, n.name)), None)
+        if node is None:
+            names = ", ".join(s.alias(n) for n in s.nodes)
+            fail(f"error: --host {host} is not in the spec (hosts: {names})", EXIT_SPEC)
+        typer.echo(shlex.join(prefix(s, node, run_id)))

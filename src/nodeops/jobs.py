@@ -1,0 +1,210 @@
+"""Job lifecycle on the controller: run ids, the local job dir, following logs, teardown.
+
+Each host of a run has ``~/.nodeops/runs/<run id>/`` with ``job.sh``, ``pgid``, ``host.log``,
+``exit_code`` (when the job ended), ``follow.sh`` and ``kill.sh`` (written by the launch
+playbook). The controller streams every host's log through ``follow.sh`` over ssh, and when
+one host fails (or on Ctrl-C/SIGTERM) runs ``kill.sh`` on every host at once.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+import queue
+import re
+import secrets
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nodeops.errors import NodeopsError
+
+RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
+EXIT_MARK = "@@nodeops-exit "
+TAIL_LINES = 15
+
+
+class JobError(NodeopsError):
+    pass
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def check_run_id(run_id: str) -> str:
+    if not RUN_ID.match(run_id):
+        raise JobError(f"{run_id!r} is not a run id (like 20261122-101500-ab12); see `ls ~/.nodeops/jobs`")
+    return run_id
+
+
+def jobs_dir() -> Path:
+    base = Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
+    d = base / "jobs"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return d
+
+
+def remote_dir(run_id: str) -> str:
+    return f".nodeops/runs/{check_run_id(run_id)}"  # relative to the login user's home
+
+
+@dataclass
+class HostState:
+    host: str
+    exit_code: int | None = None  # None: still running; -1: lost (ssh died or job killed)
+    lost_reason: str = ""
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    ended_at: float = 0.0
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    hosts: dict[str, HostState]
+    root_cause: HostState | None
+    interrupted: bool
+    teardown_seconds: float | None
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return 130
+        if self.root_cause is not None:
+            code = self.root_cause.exit_code
+            return code if code and code > 0 else 1
+        return 0
+
+
+def _ssh(ssh_config: Path, host: str, *command: str) -> list[str]:
+    return ["ssh", "-F", str(ssh_config), "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3", host,
+            *command]  # fmt: skip
+
+
+def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> None:
+    """Run kill.sh on every host in parallel (SIGTERM the group, then SIGKILL what is left)."""
+    script = f"{remote_dir(run_id)}/kill.sh"
+
+    def kill(host: str) -> None:
+        # An unreachable host times out: nothing more can be done from here.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run(_ssh(ssh_config, host, "bash", script), capture_output=True, timeout=30, check=False)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        list(pool.map(kill, hosts))
+
+
+def follow(
+    ssh_config: Path,
+    hosts: Sequence[str],
+    run_id: str,
+    emit: Callable[[str, str], None],
+    *,
+    stop_on_failure: bool = True,
+) -> JobResult:
+    """Stream every host's log until all jobs end; fail fast across hosts."""
+    states = {h: HostState(h) for h in hosts}
+    events: queue.Queue[tuple[str, str | None, int]] = queue.Queue()
+    procs: dict[str, subprocess.Popen[str]] = {}
+    script = f"{remote_dir(run_id)}/follow.sh"
+
+    def reader(host: str) -> None:
+        p = subprocess.Popen(_ssh(ssh_config, host, "bash", script), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, errors="replace")  # fmt: skip
+        procs[host] = p
+        assert p.stdout is not None and p.stderr is not None
+        for line in p.stdout:
+            events.put((host, line.rstrip("\n"), 0))
+        rc = p.wait()
+        err = p.stderr.read().strip().splitlines()
+        if rc != 0:
+            events.put((host, f"@@nodeops-lost ssh exited {rc}: {err[-1] if err else ''}", 0))
+        events.put((host, None, rc))
+
+    threads = [threading.Thread(target=reader, args=(h,), daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    root: HostState | None = None
+    torn_down_at: float | None = None
+    failed_at: float | None = None
+    interrupted = False
+    done: set[str] = set()
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        while len(done) < len(hosts):
+            try:
+                host, line, _rc = events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            st = states[host]
+            if line is None:
+                done.add(host)
+                if st.exit_code is None:
+                    st.exit_code, st.ended_at = -1, time.monotonic()
+                    st.lost_reason = st.lost_reason or "connection to the host was lost"
+            elif line.startswith("@@nodeops-lost "):
+                st.lost_reason = line.removeprefix("@@nodeops-lost ")
+            elif line.startswith(EXIT_MARK):
+                value = line.removeprefix(EXIT_MARK).strip()
+                st.exit_code = int(value) if value.lstrip("-").isdigit() else -1
+                st.ended_at = time.monotonic()
+                if st.exit_code == -1:
+                    st.lost_reason = "the job was killed"
+            else:
+                st.tail.append(line)
+                emit(host, line)
+                continue
+            failed = st.exit_code not in (0, None)
+            if failed and failed_at is None:
+                failed_at = time.monotonic()
+                if stop_on_failure:
+                    teardown(ssh_config, [h for h in hosts if h != host], run_id)
+                    torn_down_at = time.monotonic()
+    except KeyboardInterrupt:
+        interrupted = True
+        failed_at = time.monotonic()
+        teardown(ssh_config, list(hosts), run_id)
+        torn_down_at = time.monotonic()
+        for p in procs.values():
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+    teardown_s = (torn_down_at - failed_at) if (torn_down_at and failed_at) else None
+    if not interrupted:
+        root = root_cause(list(states.values()))
+    return JobResult(run_id, states, root, interrupted, teardown_s)
+
+
+# torchrun's failure summary: "exitcode  : 1 (pid: 123)" for a rank that exited by itself,
+# "exitcode  : -6 (pid: 123)  (SIGABRT)" for one killed by a signal (often a peer's failure).
+_RANK_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def root_cause(states: Sequence[HostState]) -> HostState | None:
+    """The failure that started it: a host whose rank exited with a real code beats hosts whose
+    ranks died of signals (gloo aborts peers within the same second); then the earliest."""
+    failed = [s for s in states if s.exit_code not in (0, None)]
+    if not failed:
+        return None
+
+    def key(s: HostState) -> tuple[int, float]:
+        codes = [int(c) for line in s.tail for c in _RANK_EXIT.findall(line)]
+        return (0 if any(c > 0 for c in codes) else 1, s.ended_at)
+
+    return min(failed, key=key)

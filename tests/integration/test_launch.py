@@ -1,0 +1,105 @@
+"""`nodeops launch` end to end on the 3-node sandbox: real torchrun, real torch (gloo, CPU),
+real ssh. Uses the cluster that `first_run` (conftest) set up with torch and the workdir."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeops import sandbox
+
+from .conftest import NODEOPS, SECRET
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+JOB = re.compile(r"ddp_train|torch\.distributed\.run|job\.sh")
+
+
+def launch(spec: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([NODEOPS, "launch", str(spec), *args], capture_output=True, text=True, timeout=timeout,
+                          check=False, env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+
+
+def leftovers(sb: sandbox.Sandbox) -> dict[str, list[str]]:
+    """Job processes still alive in each node container (seen with ps, from outside ssh)."""
+    out = {}
+    for n in sb.nodes:
+        ps = subprocess.run(["docker", "exec", n.container, "ps", "-eo", "pid,cmd"], capture_output=True, text=True,
+                            check=True).stdout.splitlines()  # fmt: skip
+        out[n.name] = [line for line in ps if JOB.search(line)]
+    return out
+
+
+def test_torchrun_3x1_every_rank_reports_the_same_hash(project: Path, first_run: object) -> None:
+    p = launch(project / "cluster.yaml", "--", "ddp_train.py", "--steps", "5")
+    assert p.returncode == 0, p.stderr[-3000:]
+    hashes = re.findall(r"^(node\d) \[rank(\d)\]:final param hash (\w+)$", p.stdout, re.M)
+    assert sorted((h, r) for h, r, _ in hashes) == [("node1", "0"), ("node2", "1"), ("node3", "2")]
+    assert len({d for _, _, d in hashes}) == 1
+    assert re.search(r"^node2 \[rank1\]:rank 1/3 on node2 NODE_RANK=1$", p.stdout, re.M)
+    assert "every host exited 0" in p.stderr
+
+
+def test_heterogeneous_2_1_1_uses_c10d(project: Path, first_run: object, tmp_path: Path) -> None:
+    text = (
+        (project / "cluster.yaml")
+        .read_text()
+        .replace("    cpus: [0]\n    chief: true\n", "    cpus: [0]\n    nproc: 2\n    chief: true\n", 1)
+    )
+    assert "nproc: 2" in text
+    spec = tmp_path / "hetero.yaml"
+    spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1))
+    p = launch(spec, "--", "ddp_train.py", "--steps", "3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    ranks = re.findall(r"^(node\d) \[rank(\d)\]:final param hash (\w+)$", p.stdout, re.M)
+    assert sorted(r for _, r, _ in ranks) == ["0", "1", "2", "3"], p.stdout[-2000:]
+    assert sorted(h for h, _, _ in ranks) == ["node1", "node1", "node2", "node3"]
+    assert len({d for _, _, d in ranks}) == 1
+
+
+def test_fail_fast_names_the_failing_node_and_leaves_nothing(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    p = launch(project / "cluster.yaml", "--", "ddp_train.py", "--steps", "200", "--sleep", "0.3",
+               "--fail-rank", "2", "--fail-step", "3")  # fmt: skip
+    returned = time.monotonic()
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert re.search(r"FAILED: first failure on node3 \(exit code 1\)", p.stderr), p.stderr[-3000:]
+    assert "rank 2: failing on purpose at step 3" in p.stderr  # in the root cause's last lines
+    left = leftovers(sandbox_cluster)
+    assert time.monotonic() - returned < 3
+    assert left == {"node1": [], "node2": [], "node3": []}
+
+
+def test_sigint_stops_every_rank(sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object) -> None:
+    proc = subprocess.Popen([NODEOPS, "launch", str(project / "cluster.yaml"), "--", "ddp_train.py", "--steps",
+                             "1000", "--sleep", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not all(leftovers(sandbox_cluster).values()):
+        time.sleep(1)
+    assert all(leftovers(sandbox_cluster).values()), "the job never started on every node"
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    _out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; every rank on every host was stopped" in err
+    assert leftovers(sandbox_cluster) == {"node1": [], "node2": [], "node3": []}
+
+
+def test_arguments_reach_the_script_literally(project: Path, first_run: object) -> None:
+    (project / "argv.py").write_text("import json, os, sys\nif os.environ['RANK'] == '0':\n"
+                                     "    print('ARGV=' + json.dumps(sys.argv[1:]))\n")  # fmt: skip
+    subprocess.run([NODEOPS, "setup", str(project / "cluster.yaml"), "--tags", "shared_path"], check=True,
+                   capture_output=True, env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+    args = ["a b", "it's", '"q"', "$(hostname)", "x;y", "line1\nline2", "*"]
+    p = launch(project / "cluster.yaml", "--", "argv.py", *args)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = re.findall(r"ARGV=(.*)", p.stdout)
+    assert [json.loads(g) for g in got] == [args]
