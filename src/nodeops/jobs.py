@@ -27,7 +27,7 @@ from nodeops.errors import NodeopsError
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
 EXIT_MARK = "@@nodeops-exit "
-TAIL_LINES = 15
+TAIL_LINES = 40  # torchrun's failure summary alone is ~20 lines; keep the rank's last words too
 
 
 class JobError(NodeopsError):
@@ -85,6 +85,64 @@ class JobResult:
 def _ssh(ssh_config: Path, host: str, *command: str) -> list[str]:
     return ["ssh", "-F", str(ssh_config), "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3", host,
             *command]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Job:
+    """A launched run as recorded on the controller (``~/.nodeops/jobs/<run id>/``)."""
+
+    run_id: str
+    dir: Path
+    hosts: list[str]
+    argv: list[str]
+    runner: str
+
+    @property
+    def ssh_config(self) -> Path:
+        return self.dir / "ssh_config"
+
+
+def find(run_id: str | None) -> Job:
+    """The job with this run id, or the latest one when run_id is None."""
+    import json
+
+    if run_id is None:
+        ids = sorted(p.name for p in jobs_dir().iterdir() if RUN_ID.match(p.name))
+        if not ids:
+            raise JobError("no job has been launched from this machine yet")
+        run_id = ids[-1]
+    d = jobs_dir() / check_run_id(run_id)
+    if not (d / "job.json").is_file():
+        raise JobError(f"no job {run_id} in {jobs_dir()}")
+    meta = json.loads((d / "job.json").read_text())
+    return Job(run_id, d, meta["hosts"], meta["argv"], meta["runner"])
+
+
+def host_states(job: Job) -> dict[str, str]:
+    """Each host's state: running, exited CODE, killed, or unreachable (with ssh's reason)."""
+
+    def one(host: str) -> str:
+        try:
+            p = subprocess.run(_ssh(job.ssh_config, host, "bash", f"{remote_dir(job.run_id)}/status.sh"),
+                               capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return "unreachable: ssh timed out"
+        if p.returncode != 0:
+            return "unreachable: " + (p.stderr.strip().splitlines() or ["ssh failed"])[-1]
+        return p.stdout.strip()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(job.hosts))) as pool:
+        return dict(zip(job.hosts, pool.map(one, job.hosts), strict=True))
+
+
+def read_logs(job: Job) -> dict[str, list[str]]:
+    def one(host: str) -> list[str]:
+        p = subprocess.run(_ssh(job.ssh_config, host, "cat", f"{remote_dir(job.run_id)}/host.log"),
+                           capture_output=True, text=True, timeout=60, check=False, errors="replace")  # fmt: skip
+        return p.stdout.splitlines()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(job.hosts))) as pool:
+        return dict(zip(job.hosts, pool.map(one, job.hosts), strict=True))
 
 
 def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> None:

@@ -89,6 +89,9 @@ def plan(
         "NNODES": str(len(ranked)),
         "NODEOPS_RUN_ID": run_id,
         "WORLD_SIZE": str(sum(spec.nproc(n) for n in ranked)),
+        # Logs go to files; without this, Python (torchrun's tee included) block-buffers them
+        # and nothing reaches `nodeops launch`/`logs -f` until the job exits.
+        "PYTHONUNBUFFERED": "1",
     }
     out: list[HostLaunch] = []
     runner = spec.launch.runner

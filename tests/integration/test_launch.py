@@ -103,3 +103,29 @@ def test_arguments_reach_the_script_literally(project: Path, first_run: object) 
     assert p.returncode == 0, p.stderr[-2000:]
     got = re.findall(r"ARGV=(.*)", p.stdout)
     assert [json.loads(g) for g in got] == [args]
+
+
+def test_detach_status_logs_stop_leave_nothing(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    p = launch(project / "cluster.yaml", "--detach", "--", "ddp_train.py", "--steps", "1000", "--sleep", "0.5")
+    assert p.returncode == 0, p.stderr[-2000:]
+    run_id = p.stdout.strip()
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{4}", run_id), p.stdout
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([NODEOPS, *args], capture_output=True, text=True, timeout=120, check=False)
+
+    deadline = time.monotonic() + 120
+    logs = cli("logs", run_id)
+    while time.monotonic() < deadline and "[rank0]:step" not in logs.stdout:
+        time.sleep(2)
+        logs = cli("logs", run_id)
+    assert re.search(r"^node1 \[rank0\]:step \d+ loss", logs.stdout, re.M), logs.stdout[-2000:]
+    st = cli("status", run_id)  # a new process finds the run again by its id
+    assert st.returncode == 0 and st.stdout.split() == ["node1", "running", "node2", "running", "node3", "running"]
+    stop = cli("stop", run_id)
+    assert stop.returncode == 0, stop.stderr
+    assert leftovers(sandbox_cluster) == {"node1": [], "node2": [], "node3": []}
+    st = cli("status", run_id)
+    assert st.returncode == 1 and st.stdout.split() == ["node1", "killed", "node2", "killed", "node3", "killed"]

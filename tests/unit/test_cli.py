@@ -164,3 +164,10 @@ def test_setup_refuses_bad_targets_before_any_host(args: list[str], message: str
 def test_setup_bad_spec_is_exit_2() -> None:
     r = runner.invoke(app, ["setup", str(SPECS / "two-chiefs.error.two-chiefs.yaml")])
     assert r.exit_code == 2 and "more than one chief" in r.stderr
+
+
+def test_status_of_an_unknown_run_is_a_clear_error(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["status", "20990101-000000-abcd"], env={"NODEOPS_HOME": str(tmp_path)})
+    assert r.exit_code == 1 and "no job 20990101-000000-abcd" in r.stderr
+    r = runner.invoke(app, ["stop", "not-a-run"], env={"NODEOPS_HOME": str(tmp_path)})
+    assert r.exit_code == 1 and "is not a run id" in r.stderr

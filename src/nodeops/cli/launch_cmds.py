@@ -28,6 +28,9 @@ def launch(
     script: Annotated[
         str | None, typer.Option(help="A bash script (in the workdir) that calls $NODEOPS_RUNNER train.py ...")
     ] = None,
+    detach: Annotated[
+        bool, typer.Option("--detach", help="Return once every host has started; see `nodeops status/logs/stop`.")
+    ] = False,
 ) -> None:
     """Start training on every host: torchrun per host, or mpirun/deepspeed from the chief.
 
@@ -84,6 +87,11 @@ def launch(
             bad = [h.host for h in result.hosts.values() if h.status != "ok"]
             jobs.teardown(local / "ssh_config", started, run_id)
             fail(f"launch failed on {', '.join(bad)}; nothing is left running", EXIT_FAILURE)
+        if detach:
+            err(f"==> started in {time.monotonic() - t0:.1f}s; detached")
+            err(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
+            typer.echo(run_id)
+            return
         err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
 
         def emit(host: str, line: str) -> None:
