@@ -15,7 +15,8 @@ RunArg = Annotated[
 ]
 
 
-def _emit(host: str, line: str) -> None:
+def emit_line(host: str, line: str) -> None:
+    """One log line as `host [rankN]:...` (torchrun's rank lines) or `host | ...` (anything else)."""
     sys.stdout.write(f"{host} {line}\n" if line.startswith("[") else f"{host} | {line}\n")
     sys.stdout.flush()
 
@@ -51,11 +52,11 @@ def logs(
     with errors():
         job = jobs.find(run_id)
         if follow:
-            res = jobs.follow(job.ssh_config, job.hosts, job.run_id, _emit, stop_on_failure=False)
+            res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit_line, stop_on_failure=False)
             raise typer.Exit(res.exit_code)
         for host, lines in jobs.read_logs(job).items():
             for line in lines:
-                _emit(host, line)
+                emit_line(host, line)
 
 
 @app.command(epilog="Example:\n\n    nodeops stop 20261122-101500-ab12")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Annotated
@@ -41,6 +40,7 @@ def launch(
     `--` reach the script literally.
     """
     from nodeops import jobs, launchers
+    from nodeops.cli.jobs_cmds import emit_line
     from nodeops.render import inventory, resolve_secrets, ssh_config
     from nodeops.resources import data_dir
     from nodeops.runner import run_playbook
@@ -93,12 +93,7 @@ def launch(
             typer.echo(run_id)
             return
         err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
-
-        def emit(host: str, line: str) -> None:
-            sys.stdout.write(f"{host} {line}\n" if line.startswith("[") else f"{host} | {line}\n")
-            sys.stdout.flush()
-
-        res = jobs.follow(local / "ssh_config", started, run_id, emit)
+        res = jobs.follow(local / "ssh_config", started, run_id, emit_line)
         (local / "result.json").write_text(json.dumps({
             h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()
         }))  # fmt: skip
