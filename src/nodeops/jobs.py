@@ -168,7 +168,7 @@ def follow(
 ) -> JobResult:
     """Stream every host's log until all jobs end; fail fast across hosts."""
     states = {h: HostState(h) for h in hosts}
-    events: queue.Queue[tuple[str, str | None, int]] = queue.Queue()
+    events: queue.Queue[tuple[str, str | None]] = queue.Queue()
     procs: dict[str, subprocess.Popen[str]] = {}
     script = f"{remote_dir(run_id)}/follow.sh"
 
@@ -178,12 +178,12 @@ def follow(
         procs[host] = p
         assert p.stdout is not None and p.stderr is not None
         for line in p.stdout:
-            events.put((host, line.rstrip("\n"), 0))
+            events.put((host, line.rstrip("\n")))
         rc = p.wait()
         err = p.stderr.read().strip().splitlines()
         if rc != 0:
-            events.put((host, f"@@nodeops-lost ssh exited {rc}: {err[-1] if err else ''}", 0))
-        events.put((host, None, rc))
+            events.put((host, f"@@nodeops-lost ssh exited {rc}: {err[-1] if err else ''}"))
+        events.put((host, None))
 
     threads = [threading.Thread(target=reader, args=(h,), daemon=True) for h in hosts]
     for t in threads:
@@ -203,7 +203,7 @@ def follow(
     try:
         while len(done) < len(hosts):
             try:
-                host, line, _rc = events.get(timeout=0.5)
+                host, line = events.get(timeout=0.5)
             except queue.Empty:
                 continue
             st = states[host]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,9 @@ def test_apt_mirror_from_deb822(tmp_path: Path) -> None:
     assert sandbox.apt_mirror(f) == "http://mirror.example/debian"
 
 
-def test_recipe_hash_is_stable() -> None:
-    assert sandbox.recipe_hash() == sandbox.recipe_hash()
-    assert sandbox.default_image().startswith("nodeops-sandbox-node:bookworm-")
+def test_image_tag_follows_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Changing what goes into the image changes its tag, so a stale cached image is never reused."""
+    tag = sandbox.default_image()
+    assert re.fullmatch(r"nodeops-sandbox-node:bookworm-[0-9a-f]{12}", tag)
+    monkeypatch.setattr(sandbox, "PACKAGES", (*sandbox.PACKAGES, "rsync"))
+    assert sandbox.default_image() != tag
