@@ -31,14 +31,16 @@ from nodeops.resources import data_dir
 
 LABEL = "io.nodeops.sandbox"
 USER = "debian"
-PACKAGES = ("openssh-server", "python3", "sudo", "iproute2", "procps", "ca-certificates")
+PACKAGES = ("openssh-server", "python3", "sudo", "iproute2", "procps", "ca-certificates", "iptables")
 DEFAULT_NAME = "nodeops"
 DEFAULT_SUBNET = "10.213.0.0/24"
 IMAGE_REPO = "nodeops-sandbox-node"
 SSH_PORT = 22
 FIRST_HOST = 11  # node1 is .11: leaves the gateway (.1) and a few spares alone
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
-NODE_CMD = ["/bin/sh", "-c", "ssh-keygen -A >/dev/null && exec /usr/sbin/sshd -D -e"]
+# sshd runs as a daemon beside a keep-alive, so a test can stop sshd (`kill $(cat /run/sshd.pid)`)
+# and restart it (`/usr/sbin/sshd`) without the container going away.
+NODE_CMD = ["/bin/sh", "-c", "ssh-keygen -A >/dev/null && /usr/sbin/sshd && exec sleep infinity"]
 
 Say = Callable[[str], None]
 
@@ -357,7 +359,7 @@ def up(
                 "run", "-d", "--init", "--name", cname, "--hostname", host,
                 "--network", net, "--ip", address, "--network-alias", host,
                 "--label", f"{LABEL}={name}", "--label", f"{LABEL}.node={host}",
-                "--cap-add", "NET_ADMIN", "--shm-size", "512m",
+                "--cap-add", "NET_ADMIN", "--shm-size", "1g",
                 tag, *NODE_CMD,
             )  # fmt: skip
             created_containers.append(cname)

@@ -6,12 +6,15 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from nodeops.cli.app import CONTEXT, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
+
+if TYPE_CHECKING:
+    from nodeops.spec import LoadedSpec, ResourceSpec
 
 
 @app.command(
@@ -29,6 +32,9 @@ def launch(
     ] = None,
     detach: Annotated[
         bool, typer.Option("--detach", help="Return once every host has started; see `nodeops status/logs/stop`.")
+    ] = False,
+    no_check: Annotated[
+        bool, typer.Option("--no-check", help="Skip the preflight (ssh from the chief, ports, version parity).")
     ] = False,
 ) -> None:
     """Start training on every host: torchrun per host, or mpirun/deepspeed from the chief.
@@ -56,6 +62,8 @@ def launch(
         s = loaded.spec
         inv = inventory(loaded, os.environ)
         resolve_secrets(s, os.environ)  # a missing secret is exit 2 here, before any host
+        if not no_check:
+            preflight(loaded)
         run_id = jobs.new_run_id()
         local = jobs.jobs_dir() / run_id
         local.mkdir(mode=0o700)
@@ -78,6 +86,7 @@ def launch(
             "nodeops_templates": str(data_dir("templates")),
             "nodeops_mpi_shim": launchers.MPI_SHIM,
             "nodeops_launch_plan": {h.host: {"argv": h.argv, "env": h.env} for h in plan},
+            "nodeops_watch": {"run_id": run_id, "hosts": watch_hosts(s, started)},
         }
         result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
         if not result.ok:
@@ -109,6 +118,33 @@ def launch(
                 err(f"==> stopped every other rank in {res.teardown_seconds:.1f}s")
             raise typer.Exit(res.exit_code)
         err(f"==> run {run_id} finished: every host exited 0")
+
+
+def watch_hosts(spec: ResourceSpec, started: list[str]) -> list[dict[str, object]]:
+    """How the chief's watcher reaches each started host (the chief itself runs locally)."""
+    out: list[dict[str, object]] = []
+    for node in spec.ranked_nodes():
+        name = spec.alias(node)
+        if name in started:
+            group = spec.group(node)
+            out.append({"name": name, "address": node.address, "port": group.port, "user": group.username or "",
+                        "local": node is spec.chief})  # fmt: skip
+    return out
+
+
+def preflight(loaded: LoadedSpec) -> None:
+    """`nodeops check`'s fast subset: ssh from the chief, the job's ports, version parity."""
+    from nodeops import check
+
+    t0 = time.monotonic()
+    report = check.evaluate(loaded.spec, check.run(loaded, fast=True, timeout=60), fast=True)
+    failed = [r for r in report.rows if r.status == "fail"]
+    if failed:
+        for r in failed:
+            err(f"{r.host}: {r.check}: {r.detail}")
+        fail(f"preflight failed on {', '.join(dict.fromkeys(r.host for r in failed))}; nothing was started "
+             f"(details: nodeops check {loaded.file}; skip with --no-check)", EXIT_FAILURE)  # fmt: skip
+    err(f"==> preflight ok in {time.monotonic() - t0:.1f}s (ssh, ports, versions on {len(report.hosts)} hosts)")
 
 
 @app.command("runner-prefix", epilog="Example:\n\n    nodeops runner-prefix cluster.yaml --host node2")

@@ -1,0 +1,91 @@
+"""`nodeops check`: the full-mesh preflight (ssh, ports, interface, versions, GPUs, workdir, limits)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from nodeops.cli.app import CONTEXT, app, err, errors
+
+if TYPE_CHECKING:
+    from nodeops.check import Report
+
+COLORS = {"ok": "green", "warn": "yellow", "fail": "red"}
+
+
+def print_report(report: Report, title: str) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    for host in report.hosts:
+        rows = [r for r in report.rows if r.host == host]
+        worst = (
+            "fail"
+            if any(r.status == "fail" for r in rows)
+            else "warn"
+            if any(r.status == "warn" for r in rows)
+            else "ok"
+        )
+        table = Table(title=f"{host}: [{COLORS[worst]}]{worst}[/]", title_justify="left", show_header=False)
+        table.add_column("check", style="bold")
+        table.add_column("status")
+        table.add_column("detail", overflow="fold")
+        for r in rows:
+            table.add_row(r.check, f"[{COLORS[r.status]}]{r.status}[/]", escape(r.detail))
+        console.print(table)
+    diff = report.diff()
+    if diff:
+        table = Table(title="values that differ across hosts", title_justify="left")
+        table.add_column("")
+        for h in report.hosts:
+            table.add_column(h)
+        for key, per in diff.items():
+            table.add_row(key, *(escape(per[h]) for h in report.hosts))
+        console.print(table)
+    counts = {s: sum(1 for r in report.rows if r.status == s) for s in ("ok", "warn", "fail")}
+    console.print(f"{title}: [{COLORS[report.worst()]}]{report.worst()}[/] "
+                  f"({counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail)")  # fmt: skip
+
+
+@app.command(
+    context_settings=CONTEXT,
+    epilog=(
+        "Examples:\n\n    nodeops check cluster.yaml\n\n    nodeops check cluster.yaml --json | jq .diff\n\n"
+        "    nodeops check cluster.yaml --strict   # warnings fail too\n\n"
+        "Exit codes: 0 everything ok (warnings allowed); 1 a check failed (or warned, with --strict); 2 bad spec."
+    ),
+)
+def check(
+    spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
+    strict: Annotated[bool, typer.Option("--strict", help="Warnings fail the check too.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each node's probe.")] = 120,
+) -> None:
+    """Preflight from the chief: what makes multi-node jobs hang, checked on every node at once.
+
+    The chief listens on the master (and c10d rendezvous) port and reaches every node over ssh
+    (BatchMode, strict host keys). Each node then: connects to those ports for real; names the
+    interface its route to the chief takes (warns on bridges/veths or a NCCL_SOCKET_IFNAME
+    that disagrees); activates the Python env and reports python/torch/CUDA/NCCL and every
+    package; lists GPUs (nvidia-smi and torch) against the spec's `gpus`; hashes the workdir;
+    and reports clock offset to the chief, `ulimit -n`, /dev/shm and free disk. Values that
+    differ from the chief's fail and are shown side by side.
+    """
+    from nodeops import check as chk
+    from nodeops.spec import load_spec
+
+    with errors():
+        loaded = load_spec(spec)
+        err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
+        result = chk.run(loaded, timeout=timeout)
+        report = chk.evaluate(loaded.spec, result)
+    if as_json:
+        typer.echo(json.dumps(report.to_json(strict), indent=2))
+    else:
+        print_report(report, "check")
+    raise typer.Exit(report.exit_code(strict))

@@ -1,0 +1,110 @@
+"""nodeops launch: the chief's watcher (stdlib only). Started in its own session next to the job.
+
+Reads watch.json ({"run_id", "hosts": [{"name", "address", "port", "user", "local"}]}), and
+for every host blocks on `wait.sh` over ssh from the chief (BatchMode, strict host keys). When
+any host's job ends non-zero, or a host is lost (its ssh dies after watching began), it runs
+`kill.sh` on every host at once, so a detached run fails fast even with no controller left.
+Progress goes to watch.log; the outcome to watch.result.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "watch.json")) as f:
+    cfg = json.load(f)
+RUN = ".nodeops/runs/" + cfg["run_id"]
+lock = threading.Lock()
+state = {"torn_down": False}
+
+
+def log(msg):
+    with lock:
+        sys.stdout.write(f"{time.time():.3f} {msg}\n")
+        sys.stdout.flush()
+
+
+def remote(host, script):
+    if host.get("local"):
+        return ["bash", os.path.join(os.path.expanduser("~"), RUN, script)]
+    argv = [
+        "ssh",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        "ConnectTimeout=10",
+        "-o",
+        "ServerAliveInterval=2",
+        "-o",
+        "ServerAliveCountMax=3",
+        "-p",
+        str(host["port"]),
+    ]
+    if host.get("user"):
+        argv += ["-l", host["user"]]
+    return [*argv, host["address"], f"bash {RUN}/{script}"]
+
+
+def teardown(why):
+    with lock:
+        if state["torn_down"]:
+            return
+        state["torn_down"] = True
+    t0 = time.time()
+    log("stopping every host: " + why)
+
+    def kill(host):
+        try:
+            subprocess.run(remote(host, "kill.sh"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        except subprocess.TimeoutExpired:
+            log("kill.sh timed out on " + host["name"])
+
+    threads = [threading.Thread(target=kill, args=(h,)) for h in cfg["hosts"]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log(f"stopped every host in {time.time() - t0:.2f}s")
+
+
+def watch(host):
+    p = subprocess.Popen(
+        remote(host, "wait.sh"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True
+    )
+    watching = False
+    code = None
+    for line in p.stdout:
+        line = line.strip()
+        if line == "watching":
+            watching = True
+        elif line:
+            code = line
+    rc = p.wait()
+    err = p.stderr.read().strip().splitlines()
+    why = err[-1] if err else f"ssh exited {rc}"
+    if code is None:
+        if not watching:
+            log(f"cannot watch {host['name']}: {why}")
+            return
+        log(f"{host['name']} lost: {why}")
+        teardown(host["name"] + " was lost")
+        return
+    log(f"{host['name']} ended: {code}")
+    if code != "0":
+        teardown(f"{host['name']} ended with {code}")
+
+
+threads = [threading.Thread(target=watch, args=(h,)) for h in cfg["hosts"]]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+with open(os.path.join(HERE, "watch.result"), "w") as f:
+    f.write("torn_down\n" if state["torn_down"] else "clean\n")
+log("done")

@@ -1,0 +1,239 @@
+"""`nodeops check`: the pure parts (probe helpers, fact -> ok/warn/fail rules, the report).
+
+The live path runs against the sandbox in tests/integration/test_check.py. GPU rows cannot be
+live here (no GPU on these machines): tests/unit/data/nvidia-smi-query.csv is NOT recorded on
+our hardware; it follows the `--query-gpu=... --format=csv,noheader,nounits` output format as
+seen in public nvidia-smi output (GPU UUIDs borrowed from public issue threads).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from nodeops import check, probe
+from nodeops.spec import load_spec_text
+
+DATA = Path(__file__).parent / "data"
+SPEC = """
+nodes:
+  - {address: 10.0.0.1, chief: true, gpus: [0, 1]}
+  - {address: 10.0.0.2, gpus: [0, 1]}
+python: {venv: ~/.venvs/train}
+workdir: {path: /srv/w}
+"""
+CPU_SPEC = """
+nodes:
+  - {address: 10.0.0.1, chief: true, cpus: [0]}
+  - {address: 10.0.0.2, cpus: [0]}
+  - {address: 10.0.0.3, cpus: [0]}
+"""
+GPUS = probe.parse_nvidia_smi((DATA / "nvidia-smi-query.csv").read_text())
+
+
+def facts(**over: Any) -> dict[str, Any]:
+    f: dict[str, Any] = {
+        "hostname": "n", "nofile": [1048576, 1048576], "shm_bytes": 2 << 30, "env_file": True,
+        "disk_free": {"path": "/srv/w", "bytes": 100 << 30},
+        "workdir": {"exists": True, "hash": "abc", "files": 3, "bytes": 10, "exact": True},
+        "route": {"dev": "eth0", "src": "10.0.0.2"},
+        "ports": {"29500": {"ok": True, "rtt_ms": 0.2, "offset_s": 0.001}},
+        "nvidia_smi": {"rc": 0, "gpus": GPUS, "error": []},
+        "env": {"python": "3.11.2", "executable": "/v/bin/python3", "env_prefix": "/v",
+                "ifnames": {"NCCL_SOCKET_IFNAME": "eth0"}, "packages": {"torch": "2.13.0", "numpy": "2.1.0"},
+                "torch": "2.13.0", "torch_cuda": "12.8", "cuda_devices": 2, "nccl": "2.27.3"},
+    }  # fmt: skip
+    for k, v in over.items():
+        f[k] = v
+    return f
+
+
+def result(per_host: dict[str, dict[str, Any]], listeners: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "listeners": listeners or {"29500": {"error": "", "seen": sorted(per_host)}},
+        "nodes": {h: {"ssh": {"ok": True, "seconds": 0.3}, "facts": f} for h, f in per_host.items()},
+    }
+
+
+def rows_of(report: check.Report, host: str, name: str) -> list[check.Row]:
+    return [r for r in report.rows if r.host == host and r.check == name]
+
+
+def status(report: check.Report, host: str, name: str) -> str:
+    (row,) = rows_of(report, host, name)
+    return row.status
+
+
+def test_parse_nvidia_smi_reads_index_name_driver_memory() -> None:
+    assert [g["index"] for g in GPUS] == [0, 1]
+    assert GPUS[0]["name"] == "NVIDIA H100 80GB HBM3"
+    assert GPUS[0]["driver"] == "570.86.15"
+    assert GPUS[0]["memory_mib"] == 81559
+    assert probe.parse_nvidia_smi("No devices were found\n") == []
+
+
+def test_healthy_cluster_is_all_ok() -> None:
+    spec = load_spec_text(SPEC).spec
+    rep = check.evaluate(spec, result({"10.0.0.1": facts(), "10.0.0.2": facts()}))
+    bad = [r for r in rep.rows if r.status != "ok"]
+    assert bad == []
+    assert rep.exit_code() == 0 and rep.diff() == {}
+    assert {r.check for r in rep.rows if r.host == "10.0.0.2"} >= {
+        "ssh", "port 29500", "python env", "interface", "clock", "gpus", "ulimit -n", "/dev/shm", "disk",
+        "torch", "workdir hash", "packages",
+    }  # fmt: skip
+
+
+def test_node_that_differs_from_the_chief_is_the_one_reported() -> None:
+    spec = load_spec_text(CPU_SPEC).spec
+    odd = facts(workdir={"exists": True, "hash": "zzz"})
+    odd["env"] = {**odd["env"], "torch": "2.12.0", "packages": {"torch": "2.12.0", "numpy": "2.1.0"}}
+    rep = check.evaluate(spec, result({"10.0.0.1": facts(), "10.0.0.2": facts(), "10.0.0.3": odd}))
+    assert status(rep, "10.0.0.3", "torch") == "fail"
+    assert "2.12.0 here, 2.13.0 on the chief" in rows_of(rep, "10.0.0.3", "torch")[0].detail
+    assert status(rep, "10.0.0.3", "workdir hash") == "fail"
+    assert status(rep, "10.0.0.3", "packages") == "fail"
+    assert status(rep, "10.0.0.2", "torch") == "ok"
+    assert rep.diff()["torch"] == {"10.0.0.1": "2.13.0", "10.0.0.2": "2.13.0", "10.0.0.3": "2.12.0"}
+    assert rep.diff()["pkg torch"]["10.0.0.3"] == "2.12.0"
+    assert rep.exit_code() == 1
+
+
+def test_ssh_failure_from_the_chief_names_the_host_and_reason() -> None:
+    spec = load_spec_text(CPU_SPEC).spec
+    res = result({"10.0.0.1": facts(), "10.0.0.2": facts()})
+    res["nodes"]["10.0.0.3"] = {
+        "ssh": {"ok": False, "error": "ssh: connect to host 10.0.0.3 port 22: Connection refused"}
+    }
+    rep = check.evaluate(spec, res)
+    (row,) = rows_of(rep, "10.0.0.3", "ssh")
+    assert row.status == "fail" and "Connection refused" in row.detail and "10.0.0.1" in row.detail
+    assert rep.exit_code() == 1
+
+
+def test_unreachable_chief_fails_everything_without_facts() -> None:
+    spec = load_spec_text(CPU_SPEC).spec
+    rep = check.evaluate(spec, {"unreachable": "ssh from this machine to the chief 10.0.0.1 failed: timeout"})
+    assert [r.status for r in rep.rows] == ["fail"] * 3
+    assert "timeout" in rep.rows[0].detail
+
+
+def test_blocked_port_and_taken_port() -> None:
+    spec = load_spec_text(CPU_SPEC).spec
+    blocked = {"29500": {"ok": False, "error": "connect to 10.0.0.1:29500 timed out after 3s"}}
+    res = result({h: facts(ports=blocked) for h in ("10.0.0.1", "10.0.0.2", "10.0.0.3")})
+    rep = check.evaluate(spec, res)
+    assert all(status(rep, h, "port 29500") == "fail" for h in ("10.0.0.1", "10.0.0.2", "10.0.0.3"))
+    taken = result({h: facts() for h in ("10.0.0.1", "10.0.0.2", "10.0.0.3")},
+                   {"29500": {"error": "cannot listen on port 29500: Address already in use", "seen": []}})  # fmt: skip
+    rep = check.evaluate(spec, taken)
+    assert "Address already in use" in " ".join(r.detail for r in rows_of(rep, "10.0.0.1", "port 29500"))
+
+
+def test_warnings_pass_unless_strict() -> None:
+    spec = load_spec_text(CPU_SPEC).spec
+    warny = facts(nofile=[1024, 4096], shm_bytes=64 << 20, route={"dev": "docker0", "src": "172.17.0.2"},
+                  ports={"29500": {"ok": True, "rtt_ms": 0.2, "offset_s": 2.5}})  # fmt: skip
+    rep = check.evaluate(spec, result({"10.0.0.1": facts(), "10.0.0.2": warny, "10.0.0.3": facts()}))
+    for name in ("ulimit -n", "/dev/shm", "interface", "clock"):
+        assert status(rep, "10.0.0.2", name) == "warn", name
+    assert rep.worst() == "warn"
+    assert rep.exit_code() == 0 and rep.exit_code(strict=True) == 1
+
+
+def test_interface_disagreeing_with_nccl_socket_ifname_warns() -> None:
+    spec = load_spec_text(CPU_SPEC).spec
+    f = facts()
+    f["env"] = {**f["env"], "ifnames": {"NCCL_SOCKET_IFNAME": "ib0"}}
+    rep = check.evaluate(spec, result({"10.0.0.1": facts(), "10.0.0.2": f, "10.0.0.3": facts()}))
+    assert status(rep, "10.0.0.2", "interface") == "warn"
+    assert check._ifname_matches("eth0", "eth") and check._ifname_matches("eth0", "=eth0")
+    assert not check._ifname_matches("eth0", "^eth,lo") and check._ifname_matches("ens5", "^docker,lo")
+
+
+def test_gpu_rules() -> None:
+    spec = load_spec_text(SPEC).spec
+
+    def gpu_status(**over: Any) -> tuple[str, str]:
+        f = facts(**over)
+        rep = check.evaluate(spec, result({"10.0.0.1": facts(), "10.0.0.2": f}))
+        (row,) = rows_of(rep, "10.0.0.2", "gpus")
+        return row.status, row.detail
+
+    assert gpu_status()[0] == "ok"
+    s, d = gpu_status(nvidia_smi={"rc": 127, "gpus": [], "error": ["nvidia-smi: not found"]})
+    assert s == "fail" and "not installed" in d
+    s, d = gpu_status(nvidia_smi={"rc": 0, "gpus": GPUS[:1], "error": []})
+    assert s == "fail" and "missing [1]" in d
+    cpu_torch = facts()
+    cpu_torch["env"] = {**cpu_torch["env"], "cuda_devices": 0, "torch_cuda": None}
+    s, d = gpu_status(env=cpu_torch["env"])
+    assert s == "fail" and "torch sees 0" in d
+
+
+def test_missing_venv_and_workdir_fail() -> None:
+    spec = load_spec_text(SPEC).spec
+    f = facts(env={"error": "bash: line 3: /home/u/.venvs/train/bin/activate: No such file or directory", "exit": 1},
+              workdir={"exists": False})  # fmt: skip
+    rep = check.evaluate(spec, result({"10.0.0.1": facts(), "10.0.0.2": f}))
+    assert status(rep, "10.0.0.2", "python env") == "fail"
+    assert "No such file" in rows_of(rep, "10.0.0.2", "python env")[0].detail
+    assert status(rep, "10.0.0.2", "workdir") == "fail"
+
+
+def test_json_report_shape() -> None:
+    spec = load_spec_text(CPU_SPEC).spec
+    rep = check.evaluate(spec, result({h: facts() for h in ("10.0.0.1", "10.0.0.2", "10.0.0.3")}))
+    doc = json.loads(json.dumps(rep.to_json()))
+    assert (
+        doc["status"] == "ok" and doc["exit_code"] == 0 and list(doc["hosts"]) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    )
+    assert {"host", "check", "status", "detail"} == set(doc["hosts"]["10.0.0.2"][0])
+
+
+def test_tree_hash_sees_content_and_skips_excluded(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "x.py").write_text("print(1)\n")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref\n")
+    first = probe.tree_hash(str(tmp_path), [".git"])
+    (tmp_path / ".git" / "HEAD").write_text("other\n")
+    assert probe.tree_hash(str(tmp_path), [".git"]) == first
+    (tmp_path / "a" / "x.py").write_text("print(2)\n")  # same size, new content
+    assert probe.tree_hash(str(tmp_path), [".git"])["hash"] != first["hash"]
+    assert probe.tree_hash(str(tmp_path), [".git"], budget=0)["exact"] is False
+
+
+def test_probe_boots_from_stdin_and_reports_a_real_listener(tmp_path: Path) -> None:
+    """The chief mode against this machine alone: bootstrap over stdin, listen, connect, report.
+    Only the local leg (no ssh): the node probe is run as the chief would run it, without ssh."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    src = Path(probe.__file__).read_text()
+    lst = probe.Listener(port, "n0nce")
+    try:
+        plan = {"mode": "node", "name": "me", "nonce": "n0nce", "ports": [port], "chief_address": "127.0.0.1",
+                "workdir": str(tmp_path), "exclude": [], "activate": "", "fast": True, "env_file": ""}  # fmt: skip
+        p = subprocess.run([sys.executable, "-c", probe.BOOT], input=json.dumps({"source": src, "plan": plan}),
+                           capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    finally:
+        lst.close()
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith(probe.MARK))
+    f = json.loads(line[len(probe.MARK) :])
+    assert f["ports"][str(port)]["ok"] is True
+    assert lst.seen == ["me"]
+    assert f["env"]["python"].count(".") == 2
+    taken = probe.Listener(port, "x")
+    try:
+        again = probe.Listener(port, "y")
+        assert "cannot listen on port" in again.error
+    finally:
+        taken.close()
+    assert copy.deepcopy(f)["workdir"] == {"exists": True}
