@@ -25,6 +25,7 @@ def main() -> int:
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-step", type=int, default=-1)
     ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="passed by DeepSpeed's launcher")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -35,6 +35,8 @@ echo "==> nodeops validate $demo/cluster.yaml"
 nodeops validate "$demo/cluster.yaml"
 echo "==> nodeops setup $demo/cluster.yaml"
 nodeops setup "$demo/cluster.yaml"
+echo "==> nodeops check $demo/cluster.yaml"
+nodeops check "$demo/cluster.yaml"
 echo "==> nodeops launch $demo/cluster.yaml -- ddp_train.py --steps 10"
 nodeops launch "$demo/cluster.yaml" -- ddp_train.py --steps 10 2>&1 | grep -v -E "UserWarning|_conversion_method"
 echo

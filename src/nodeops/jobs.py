@@ -96,6 +96,12 @@ class Job:
     hosts: list[str]
     argv: list[str]
     runner: str
+    rank_hosts: list[str] = field(default_factory=list)  # mpirun: the host of each global rank
+    all_hosts: list[str] = field(default_factory=list)  # every host of the spec: where stop/teardown run
+
+    @property
+    def kill_hosts(self) -> list[str]:
+        return self.all_hosts or self.hosts
 
     @property
     def ssh_config(self) -> Path:
@@ -115,7 +121,8 @@ def find(run_id: str | None) -> Job:
     if not (d / "job.json").is_file():
         raise JobError(f"no job {run_id} in {jobs_dir()}")
     meta = json.loads((d / "job.json").read_text())
-    return Job(run_id, d, meta["hosts"], meta["argv"], meta["runner"])
+    return Job(run_id, d, meta["hosts"], meta["argv"], meta["runner"], meta.get("rank_hosts", []),
+               meta.get("all_hosts", []))  # fmt: skip
 
 
 def host_states(job: Job) -> dict[str, str]:
@@ -165,9 +172,18 @@ def follow(
     emit: Callable[[str, str], None],
     *,
     stop_on_failure: bool = True,
+    kill_hosts: Sequence[str] = (),
+    addresses: dict[str, str] | None = None,
 ) -> JobResult:
-    """Stream every host's log until all jobs end; fail fast across hosts."""
+    """Stream every host's log until all jobs end; fail fast across hosts.
+
+    ``kill_hosts``: where teardown runs (default: ``hosts``); mpirun and deepspeed start ranks
+    on hosts that are not followed. ``addresses``: address -> host, to name the host in pdsh's
+    "ssh exited with exit code N" report (DeepSpeed's runner): that report is a failure too,
+    so a dead node's peers are not left training (DeepSpeed issue #5005).
+    """
     states = {h: HostState(h) for h in hosts}
+    kill_hosts = list(kill_hosts) or list(hosts)
     events: queue.Queue[tuple[str, str | None]] = queue.Queue()
     procs: dict[str, subprocess.Popen[str]] = {}
     script = f"{remote_dir(run_id)}/follow.sh"
@@ -223,17 +239,24 @@ def follow(
             else:
                 st.tail.append(line)
                 emit(host, line)
-                continue
+                remote = pdsh_failure(line, addresses or {})
+                if remote is None:
+                    continue
+                name, code = remote
+                st = states.setdefault(name, HostState(name))
+                st.exit_code, st.ended_at = code, time.monotonic()
+                st.tail.extend(t for t in states[host].tail if t.startswith(f"{_address_of(name, addresses)}: "))
+                host = name
             failed = st.exit_code not in (0, None)
             if failed and failed_at is None:
                 failed_at = time.monotonic()
                 if stop_on_failure:
-                    teardown(ssh_config, [h for h in hosts if h != host], run_id)
+                    teardown(ssh_config, [h for h in kill_hosts if h != host], run_id)
                     torn_down_at = time.monotonic()
     except KeyboardInterrupt:
         interrupted = True
         failed_at = time.monotonic()
-        teardown(ssh_config, list(hosts), run_id)
+        teardown(ssh_config, kill_hosts, run_id)
         torn_down_at = time.monotonic()
         for p in procs.values():
             try:
@@ -247,6 +270,21 @@ def follow(
     if not interrupted:
         root = root_cause(list(states.values()))
     return JobResult(run_id, states, root, interrupted, teardown_s)
+
+
+_PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+
+
+def pdsh_failure(line: str, addresses: dict[str, str]) -> tuple[str, int] | None:
+    """pdsh's report of a node whose command failed: (host, exit code), or None."""
+    m = _PDSH_EXIT.match(line)
+    if not m or m.group(2) == "0":
+        return None
+    return addresses.get(m.group(1), m.group(1)), int(m.group(2))
+
+
+def _address_of(host: str, addresses: dict[str, str] | None) -> str:
+    return next((a for a, h in (addresses or {}).items() if h == host), host)
 
 
 # torchrun's failure summary: "exitcode  : 1 (pid: 123)" for a rank that exited by itself,

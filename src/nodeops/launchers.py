@@ -79,7 +79,8 @@ def plan(
 
     ``env_names``: variables to forward to remote ranks by name (mpirun ``-x``).
     ``shim_path``: where the MPI shim lies on every node. ``hostfile_path``: the DeepSpeed
-    hostfile on the chief.
+    hostfile on the chief. Both may hold ``@@HOME@@``, which the launch playbook replaces with
+    the host's home directory (job scripts quote every argument, so ``~`` would stay literal).
     """
     ranked = spec.ranked_nodes()
     chief = spec.chief.address
@@ -104,10 +105,13 @@ def plan(
             argv = _entry(user_argv, script) if script else [*prefix, *user_argv]
         elif rank == 0 and runner == "mpirun":
             hosts = ",".join(f"{n.address}:{spec.nproc(n)}" for n in ranked)
-            mpi = ["mpirun", "-np", env["WORLD_SIZE"], "-H", hosts, "--bind-to", "none", "--map-by", "slot"]
+            mpi = ["mpirun", "-np", env["WORLD_SIZE"], "-H", hosts, "--bind-to", "none", "--map-by", "slot",
+                   "--tag-output"]  # fmt: skip
             if socket_ifname:
                 mpi += ["--mca", "btl_tcp_if_include", socket_ifname, "--mca", "oob_tcp_if_include", socket_ifname]
-            for name in sorted({*env, *env_names}):
+            # PATH carries the activated env (the same venv path on every node); NODE_RANK is
+            # the chief's and would be wrong elsewhere.
+            for name in sorted({*env, *env_names, "PATH"} - {"NODE_RANK"}):
                 mpi += ["-x", name]
             prefix = [*mpi, shim_path, python]
             env["NODEOPS_RUNNER"] = shlex.join(prefix)
@@ -119,3 +123,8 @@ def plan(
             argv = _entry(user_argv, script) if script else [*prefix, *user_argv]
         out.append(HostLaunch(spec.alias(node), node.address, rank, spec.nproc(node), argv, env))
     return out
+
+
+def rank_hosts(spec: ResourceSpec) -> list[str]:
+    """Which host each global rank lands on with ``--map-by slot`` (hosts filled in -H order)."""
+    return [spec.alias(n) for n in spec.ranked_nodes() for _ in range(spec.nproc(n))]

@@ -1,14 +1,17 @@
 """nodeops launch: the chief's watcher (stdlib only). Started in its own session next to the job.
 
-Reads watch.json ({"run_id", "hosts": [{"name", "address", "port", "user", "local"}]}), and
-for every host blocks on `wait.sh` over ssh from the chief (BatchMode, strict host keys). When
-any host's job ends non-zero, or a host is lost (its ssh dies after watching began), it runs
-`kill.sh` on every host at once, so a detached run fails fast even with no controller left.
-Progress goes to watch.log; the outcome to watch.result.
+Reads watch.json ({"run_id", "pdsh", "hosts": [{"name", "address", "port", "user", "local",
+"started"}]}), and for every host that started a job blocks on `wait.sh` over ssh from the chief
+(BatchMode, strict host keys). When any host's job ends non-zero, or a host is lost (its ssh
+dies after watching began), it runs `kill.sh` on every host at once, so a detached run fails
+fast even with no controller left. With "pdsh" (DeepSpeed's runner) it also follows the chief's
+host.log for pdsh's "ssh exited with exit code N" report of a failed node. Progress goes to
+watch.log; the outcome to watch.result.
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -100,11 +103,34 @@ def watch(host):
         teardown(f"{host['name']} ended with {code}")
 
 
-threads = [threading.Thread(target=watch, args=(h,)) for h in cfg["hosts"]]
+def follow_pdsh():
+    """DeepSpeed's runner: pdsh reports a node whose command failed, then keeps waiting."""
+    pattern = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+    log_path = os.path.join(HERE, "host.log")
+    while not os.path.exists(log_path) and not os.path.exists(os.path.join(HERE, "exit_code")):
+        time.sleep(0.2)
+    with open(log_path, errors="replace") as f:
+        while True:
+            line = f.readline()
+            if not line:
+                if os.path.exists(os.path.join(HERE, "exit_code")) or state["torn_down"]:
+                    return
+                time.sleep(0.2)
+                continue
+            m = pattern.match(line)
+            if m and m.group(2) != "0":
+                teardown(f"pdsh: {m.group(1)} exited with {m.group(2)}")
+                return
+
+
+threads = [threading.Thread(target=watch, args=(h,)) for h in cfg["hosts"] if h.get("started", True)]
+if cfg.get("pdsh"):
+    threads.append(threading.Thread(target=follow_pdsh, daemon=True))
 for t in threads:
     t.start()
 for t in threads:
-    t.join()
+    if not t.daemon:
+        t.join()
 with open(os.path.join(HERE, "watch.result"), "w") as f:
     f.write("torn_down\n" if state["torn_down"] else "clean\n")
 log("done")

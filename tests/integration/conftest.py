@@ -102,3 +102,43 @@ def first_run(sandbox_cluster: sandbox.Sandbox, project: Path) -> Iterator[subpr
     print(f"first setup took {time.monotonic() - t:.1f}s")
     p.authorized_keys_before = before  # type: ignore[attr-defined]
     yield p
+
+
+DS_VERSION = "0.19.8"
+DS_WHEELHOUSE = ROOT / ".cache" / f"wheelhouse-deepspeed-{DS_VERSION}"
+
+
+def deepspeed_wheelhouse() -> Path:
+    """torch 2.13.0 (CPU) + DeepSpeed and its dependencies, for nodes without internet.
+
+    DeepSpeed ships only an sdist whose setup.py imports torch, so its wheel is built once (pure
+    Python, DS_BUILD_OPS=0) in a scratch venv holding the CPU torch; its dependencies are then
+    resolved with torch pinned to that wheel (an unpinned resolve pulls a multi-GB CUDA torch).
+    """
+    if (DS_WHEELHOUSE / ".complete").exists():
+        return DS_WHEELHOUSE
+    torch_wheels = wheelhouse()
+    build = DS_WHEELHOUSE.with_name(DS_WHEELHOUSE.name + ".build")
+    shutil.rmtree(build, ignore_errors=True)
+    shutil.rmtree(DS_WHEELHOUSE, ignore_errors=True)
+    DS_WHEELHOUSE.mkdir(parents=True)
+    py = build / "venv" / "bin" / "python"
+    run = {"check": True, "timeout": 900}
+    subprocess.run([sys.executable, "-m", "venv", str(build / "venv")], **run)  # type: ignore[call-overload]
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", torch_wheels, "torch==2.13.0"],
+                   **run)  # type: ignore[call-overload]  # fmt: skip
+    subprocess.run([py, "-m", "pip", "install", "-q", "setuptools", "wheel"], **run)  # type: ignore[call-overload]
+    subprocess.run([py, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                    f"deepspeed=={DS_VERSION}", "-d", build], **run)  # type: ignore[call-overload]  # fmt: skip
+    sdist = next(build.glob("deepspeed-*.tar.gz"))
+    subprocess.run([py, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", sdist, "-w", DS_WHEELHOUSE],
+                   env={**os.environ, "DS_BUILD_OPS": "0"}, **run)  # type: ignore[call-overload]  # fmt: skip
+    wheel = next(DS_WHEELHOUSE.glob("deepspeed-*.whl"))
+    subprocess.run([py, "-m", "pip", "download", "-q", "--find-links", torch_wheels, str(wheel), "torch==2.13.0",
+                    "-d", DS_WHEELHOUSE], **run)  # type: ignore[call-overload]  # fmt: skip
+    for w in torch_wheels.glob("*.whl"):  # one wheelhouse for the spec: hard links to torch's
+        if not (DS_WHEELHOUSE / w.name).exists():
+            os.link(w, DS_WHEELHOUSE / w.name)
+    shutil.rmtree(build, ignore_errors=True)
+    (DS_WHEELHOUSE / ".complete").touch()
+    return DS_WHEELHOUSE

@@ -15,7 +15,7 @@ import pytest
 
 from nodeops import sandbox
 
-from .conftest import NODEOPS, SECRET
+from .conftest import NODEOPS, SECRET, ssh
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 JOB = re.compile(r"ddp_train|torch\.distributed\.run|job\.sh")
@@ -129,3 +129,133 @@ def test_detach_status_logs_stop_leave_nothing(
     assert leftovers(sandbox_cluster) == {"node1": [], "node2": [], "node3": []}
     st = cli("status", run_id)
     assert st.returncode == 1 and st.stdout.split() == ["node1", "killed", "node2", "killed", "node3", "killed"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([NODEOPS, *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_detached_run_fails_fast_through_the_chiefs_watcher(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    """No controller follows a detached run: the watcher on the chief must stop the others."""
+    p = launch(project / "cluster.yaml", "--detach", "--", "ddp_train.py", "--steps", "200", "--sleep", "0.3",
+               "--fail-rank", "2", "--fail-step", "3")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    run_id = p.stdout.strip()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "exited 1" not in _cli("status", run_id).stdout:
+        time.sleep(1)
+    st = _cli("status", run_id)
+    assert re.search(r"^node3 +exited 1$", st.stdout, re.M), st.stdout
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(leftovers(sandbox_cluster).values()):
+        time.sleep(0.5)
+    assert leftovers(sandbox_cluster) == {"node1": [], "node2": [], "node3": []}
+    log = ssh(sandbox_cluster, "node1", f"cat .nodeops/runs/{run_id}/watch.log").stdout
+    assert "stopping every host: node3 ended with 1" in log, log
+    took = re.search(r"stopped every host in ([\d.]+)s", log)
+    assert took is not None, log
+    print(f"watcher teardown took {took.group(1)}s")
+    assert _cli("status", run_id).returncode == 1
+
+
+def test_killed_node_fails_the_job_and_is_named(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    proc = subprocess.Popen([NODEOPS, "launch", str(project / "cluster.yaml"), "--", "ddp_train.py", "--steps",
+                             "1000", "--sleep", "0.3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+    node3 = sandbox_cluster.nodes[2]
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not all(leftovers(sandbox_cluster).values()):
+            time.sleep(1)
+        assert all(leftovers(sandbox_cluster).values()), "the job never started on every node"
+        time.sleep(3)
+        subprocess.run(["docker", "kill", node3.container], check=True, capture_output=True)
+        killed = time.monotonic()
+        _out, err = proc.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        proc.kill()
+        subprocess.run(["docker", "start", node3.container], check=True, capture_output=True)
+        sandbox._wait_for_sshd(node3.address, time.monotonic() + 60)
+    print(f"launch returned {took:.1f}s after node3's container was killed")
+    assert proc.returncode not in (0, None), err[-2000:]
+    assert re.search(r"FAILED: first failure on node3 \(.*(lost|ssh exited)", err), err[-2000:]
+    left = leftovers(sandbox_cluster)
+    assert left["node1"] == [] and left["node2"] == [], left
+    assert took < 30
+
+
+def test_mpirun_3x1_every_rank_reports_the_same_hash(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object, tmp_path: Path
+) -> None:
+    """mpirun once from the chief: setup installs openmpi-bin, ranks map OMPI_* to env:// names
+    through the shim, and each rank's lines come back under its own host."""
+    spec = tmp_path / "mpi.yaml"
+    text = (project / "cluster.yaml").read_text()
+    spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1)
+                    + "launch: {runner: mpirun}\n")  # fmt: skip
+    s = subprocess.run([NODEOPS, "setup", str(spec)], capture_output=True, text=True, timeout=900, check=False,
+                       env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+    assert s.returncode == 0, s.stderr[-3000:]
+    proc = subprocess.Popen([NODEOPS, "launch", str(spec), "--", "ddp_train.py", "--steps", "20", "--sleep", "0.3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+    # While it runs: orted on the other nodes, and the secret (forwarded with -x) on no command line.
+    seen_orted = False
+    while proc.poll() is None:
+        for n in sandbox_cluster.nodes:
+            ps = subprocess.run(["docker", "exec", n.container, "ps", "-eo", "args"], capture_output=True,
+                                text=True).stdout  # fmt: skip
+            assert SECRET not in ps
+            seen_orted |= "orted" in ps and n.name != "node1"
+        time.sleep(0.5)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, out[-2000:] + err[-3000:]
+    assert seen_orted, "no orted seen on node2/node3: was mpirun really used?"
+    hashes = re.findall(r"^(node\d) \[rank(\d)\]:final param hash (\w+)$", out, re.M)
+    assert sorted((h, r) for h, r, _ in hashes) == [("node1", "0"), ("node2", "1"), ("node3", "2")], out
+    assert len({d for _, _, d in hashes}) == 1
+    assert re.search(r"^node3 \[rank2\]:rank 2/3 on node3 ", out, re.M), out
+    assert "orted" not in "".join(
+        subprocess.run(["docker", "exec", n.container, "ps", "-eo", "cmd"], capture_output=True, text=True).stdout
+        for n in sandbox_cluster.nodes
+    )  # fmt: skip
+
+
+def test_deepspeed_3x1_through_pdsh_and_a_dead_rank_stops_everything(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object, tmp_path: Path
+) -> None:
+    """DeepSpeed's own runner from the chief (hostfile + .deepspeed_env, pdsh over the mesh),
+    with deepspeed installed on the nodes from a local wheelhouse. Then the case DeepSpeed
+    leaves open (its issue #5005): one node's rank dies and the other nodes must not keep going."""
+    from .conftest import DS_VERSION, deepspeed_wheelhouse
+
+    wheels = deepspeed_wheelhouse()
+    text = (project / "cluster.yaml").read_text()
+    text = re.sub(r"packages: \[.*\]", f"packages: ['torch==2.13.0', 'deepspeed=={DS_VERSION}']", text)
+    text = re.sub(r"wheelhouse: .*", f"wheelhouse: {wheels}", text)
+    spec = tmp_path / "ds.yaml"
+    spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1)
+                    + "launch: {runner: deepspeed}\n")  # fmt: skip
+    s = subprocess.run([NODEOPS, "setup", str(spec)], capture_output=True, text=True, timeout=900, check=False,
+                       env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+    assert s.returncode == 0, s.stderr[-3000:]
+    p = launch(spec, "--", "ddp_train.py", "--steps", "5")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    hashes = re.findall(r"^(node\d) \| final param hash (\w+)$", p.stdout, re.M)
+    assert sorted(h for h, _ in hashes) == ["node1", "node2", "node3"], p.stdout[-3000:]
+    assert len({d for _, d in hashes}) == 1
+    assert re.search(r"^node3 \| rank 2/3 on node3 ", p.stdout, re.M), p.stdout[-3000:]
+
+    p = launch(spec, "--", "ddp_train.py", "--steps", "300", "--sleep", "0.3", "--fail-rank", "2",
+               "--fail-step", "5")  # fmt: skip
+    returned = time.monotonic()
+    assert p.returncode != 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert re.search(r"FAILED: first failure on node3 \(exit code 1\)", p.stderr), p.stderr[-3000:]
+    left = leftovers(sandbox_cluster)
+    assert time.monotonic() - returned < 3
+    assert left == {"node1": [], "node2": [], "node3": []}, left

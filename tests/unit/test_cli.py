@@ -171,3 +171,46 @@ def test_status_of_an_unknown_run_is_a_clear_error(tmp_path: Path) -> None:
     assert r.exit_code == 1 and "no job 20990101-000000-abcd" in r.stderr
     r = runner.invoke(app, ["stop", "not-a-run"], env={"NODEOPS_HOME": str(tmp_path)})
     assert r.exit_code == 1 and "is not a run id" in r.stderr
+
+
+def test_mpirun_tagged_lines_get_the_ranks_host(capsys: pytest.CaptureFixture[str]) -> None:
+    from nodeops.cli.jobs_cmds import emitter
+
+    emit = emitter(["node1", "node2", "node2"])
+    emit("node1", "[1,2]<stdout>:step 3 loss 0.5")
+    emit("node1", "[1,0]<stderr>:warning")
+    emit("node1", "plain line from mpirun itself")
+    assert capsys.readouterr().out.splitlines() == [
+        "node2 [rank2]:step 3 loss 0.5",
+        "node1 [rank0]:warning",
+        "node1 | plain line from mpirun itself",
+    ]
+    # Unbuffered ranks: Open MPI tags each write, so pieces of several ranks share a line.
+    emit("node1", "[1,1]<stdout>:rank 1/3[1,0]<stdout>:rank 0/3[1,2]<stdout>:rank 2/3")
+    emit("node1", "[1,0]<stdout>:")
+    emit("node1", "[1,1]<stdout>:")
+    emit("node1", "[1,0]<stdout>:step 6[1,0]<stdout>:")
+    assert capsys.readouterr().out.splitlines() == [
+        "node2 [rank2]:rank 2/3",
+        "node1 [rank0]:rank 0/3",
+        "node2 [rank1]:rank 1/3",
+        "node1 [rank0]:step 6",
+    ]
+
+
+def test_deepspeed_pdsh_lines_get_the_nodes_host(capsys: pytest.CaptureFixture[str]) -> None:
+    from nodeops.cli.jobs_cmds import emitter
+
+    emit = emitter([], {"10.0.0.12": "node2"})
+    emit("node1", "10.0.0.12: step 3 loss 0.5")
+    emit("node1", "10.0.0.99: not ours")
+    assert capsys.readouterr().out.splitlines() == ["node2 | step 3 loss 0.5", "node1 | 10.0.0.99: not ours"]
+
+
+def test_pdsh_exit_report_names_the_failed_node() -> None:
+    from nodeops.jobs import pdsh_failure
+
+    hosts = {"10.0.0.13": "node3"}
+    assert pdsh_failure("pdsh@node1: 10.0.0.13: ssh exited with exit code 1", hosts) == ("node3", 1)
+    assert pdsh_failure("pdsh@node1: 10.0.0.13: ssh exited with exit code 0", hosts) is None
+    assert pdsh_failure("10.0.0.13: ssh exited with exit code 1", hosts) is None

@@ -61,7 +61,11 @@ def test_mpirun_runs_once_from_the_chief_with_env_by_name() -> None:
     assert plan[1].argv == [] and plan[2].argv == []
     argv = plan[0].argv
     assert argv[:5] == ["mpirun", "-np", "6", "-H", "10.0.0.1:2,10.0.0.2:2,10.0.0.3:2"]
-    assert argv[5:9] == ["--bind-to", "none", "--map-by", "slot"]
+    assert argv[5:10] == ["--bind-to", "none", "--map-by", "slot", "--tag-output"]
+    forwarded = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
+    assert {"PATH", "MASTER_ADDR", "MASTER_PORT", "NODEOPS_RUN_ID", "HF_TOKEN"} <= forwarded
+    assert "NODE_RANK" not in forwarded  # the chief's value would be wrong on the other nodes
+    assert launchers.rank_hosts(spec) == ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2", "10.0.0.3", "10.0.0.3"]
     assert argv[argv.index("btl_tcp_if_include") + 1] == "eth0"
     assert argv[argv.index("-x", argv.index("HF_TOKEN") - 1) + 1] == "HF_TOKEN"
     assert not any("=" in a for a in argv), "values never go on mpirun's command line"

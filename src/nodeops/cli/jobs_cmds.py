@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -15,10 +17,46 @@ RunArg = Annotated[
 ]
 
 
+_RANK_PREFIX = re.compile(r"\[rank\d+\]:")
+_MPI_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
+
+
 def emit_line(host: str, line: str) -> None:
     """One log line as `host [rankN]:...` (torchrun's rank lines) or `host | ...` (anything else)."""
-    sys.stdout.write(f"{host} {line}\n" if line.startswith("[") else f"{host} | {line}\n")
+    sys.stdout.write(f"{host} {line}\n" if _RANK_PREFIX.match(line) else f"{host} | {line}\n")
     sys.stdout.flush()
+
+
+def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None = None) -> Callable[[str, str], None]:
+    """emit_line, plus: for mpirun (all output arrives on the chief, tagged `[job,rank]<stdout>:`)
+    the rank's own host and a `[rankN]:` prefix, like torchrun's lines; for deepspeed (pdsh
+    prefixes each node's lines with `ADDRESS: `) the node's own host name."""
+    if not rank_hosts and not pdsh_hosts:
+        return emit_line
+    pending: dict[int, str] = {}
+
+    def emit(host: str, line: str) -> None:
+        if rank_hosts and _MPI_TAG.search(line):
+            # Open MPI tags every chunk a rank writes, so one physical line can hold the pieces of
+            # several ranks' lines ("[1,1]<stdout>:a[1,0]<stdout>:b"); the newline that ends the
+            # physical line belongs to its last piece. Reassemble each rank's lines.
+            parts = _MPI_TAG.split(line)
+            if parts[0]:
+                emit_line(host, parts[0])
+            pieces = [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
+            for n, (rank, text) in enumerate(pieces):
+                pending[rank] = pending.get(rank, "") + text
+                if n == len(pieces) - 1:
+                    out = pending.pop(rank)
+                    emit_line(rank_hosts[rank] if rank < len(rank_hosts) else host, f"[rank{rank}]:{out}")
+            return
+        addr, sep, rest = line.partition(": ")
+        if sep and pdsh_hosts and addr in pdsh_hosts:
+            emit_line(pdsh_hosts[addr], rest)
+            return
+        emit_line(host, line)
+
+    return emit
 
 
 @app.command(epilog="Example:\n\n    nodeops status 20261122-101500-ab12")
@@ -51,12 +89,14 @@ def logs(
 
     with errors():
         job = jobs.find(run_id)
+        emit = emitter(job.rank_hosts)  # (pdsh's address prefixes stay as they are here)
         if follow:
-            res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit_line, stop_on_failure=False)
+            res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit, stop_on_failure=False,
+                              kill_hosts=job.kill_hosts)  # fmt: skip
             raise typer.Exit(res.exit_code)
         for host, lines in jobs.read_logs(job).items():
             for line in lines:
-                emit_line(host, line)
+                emit(host, line)
 
 
 @app.command(epilog="Example:\n\n    nodeops stop 20261122-101500-ab12")
@@ -66,7 +106,7 @@ def stop(run_id: RunArg = None) -> None:
 
     with errors():
         job = jobs.find(run_id)
-        jobs.teardown(job.ssh_config, job.hosts, job.run_id)
+        jobs.teardown(job.ssh_config, job.kill_hosts, job.run_id)
         states = jobs.host_states(job)
         for host, state in states.items():
             typer.echo(f"{host:12} {state}")

@@ -46,7 +46,7 @@ def launch(
     `--` reach the script literally.
     """
     from nodeops import jobs, launchers
-    from nodeops.cli.jobs_cmds import emit_line
+    from nodeops.cli.jobs_cmds import emitter
     from nodeops.render import inventory, resolve_secrets, ssh_config
     from nodeops.resources import data_dir
     from nodeops.runner import run_playbook
@@ -70,14 +70,16 @@ def launch(
         (local / "ssh_config").write_text(ssh_config(loaded))
         ifname = s.network.socket_ifname if s.network.socket_ifname != "auto" else None
         plan = launchers.plan(
-            s, user_argv, run_id, socket_ifname=ifname, env_names=sorted(s.env), script=script,
-            shim_path=f"$HOME/{jobs.remote_dir(run_id)}/mpi_shim.sh",
-            hostfile_path=f"~/.nodeops/{loaded.cluster_name}/hostfile",
+            s, user_argv, run_id, socket_ifname=ifname, env_names=forwarded_env(s), script=script,
+            shim_path=f"@@HOME@@/{jobs.remote_dir(run_id)}/mpi_shim.sh",
+            hostfile_path=f"@@HOME@@/.nodeops/{loaded.cluster_name}/hostfile",
         )  # fmt: skip
         started = [h.host for h in plan if h.argv]
         (local / "job.json").write_text(json.dumps({
             "run_id": run_id, "spec": str(spec.resolve()), "hosts": started, "argv": user_argv,
             "runner": s.launch.runner, "started": time.time(),
+            "rank_hosts": launchers.rank_hosts(s) if s.launch.runner == "mpirun" else [],
+            "all_hosts": [h.host for h in plan],
         }, indent=2))  # fmt: skip
         err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)}")
         t0 = time.monotonic()
@@ -86,7 +88,11 @@ def launch(
             "nodeops_templates": str(data_dir("templates")),
             "nodeops_mpi_shim": launchers.MPI_SHIM,
             "nodeops_launch_plan": {h.host: {"argv": h.argv, "env": h.env} for h in plan},
-            "nodeops_watch": {"run_id": run_id, "hosts": watch_hosts(s, started)},
+            "nodeops_watch": {
+                "run_id": run_id,
+                "hosts": watch_hosts(s, started),
+                "pdsh": s.launch.runner == "deepspeed",
+            },
         }
         result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
         if not result.ok:
@@ -94,7 +100,7 @@ def launch(
                 for e in hr.errors:
                     err(f"{hr.host}: {e}")
             bad = [h.host for h in result.hosts.values() if h.status != "ok"]
-            jobs.teardown(local / "ssh_config", started, run_id)
+            jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
             fail(f"launch failed on {', '.join(bad)}; nothing is left running", EXIT_FAILURE)
         if detach:
             err(f"==> started in {time.monotonic() - t0:.1f}s; detached")
@@ -102,7 +108,11 @@ def launch(
             typer.echo(run_id)
             return
         err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
-        res = jobs.follow(local / "ssh_config", started, run_id, emit_line)
+        rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []
+        addresses = {n.address: s.alias(n) for n in s.nodes}
+        emit = emitter(rank_hosts, addresses if s.launch.runner == "deepspeed" else {})
+        res = jobs.follow(local / "ssh_config", started, run_id, emit, kill_hosts=[h.host for h in plan],
+                          addresses=addresses)  # fmt: skip
         (local / "result.json").write_text(json.dumps({
             h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()
         }))  # fmt: skip
@@ -120,15 +130,24 @@ def launch(
         err(f"==> run {run_id} finished: every host exited 0")
 
 
+def forwarded_env(spec: ResourceSpec) -> list[str]:
+    """Names mpirun forwards to remote ranks with -x: what env.sh and the spec set on the chief."""
+    names = {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", *spec.network.nccl, *spec.env}
+    if spec.network.ib == "off":
+        names.add("NCCL_IB_DISABLE")
+    names.update(spec.group(spec.chief).shared_envs)
+    return sorted(names)
+
+
 def watch_hosts(spec: ResourceSpec, started: list[str]) -> list[dict[str, object]]:
-    """How the chief's watcher reaches each started host (the chief itself runs locally)."""
+    """How the chief's watcher reaches each host (the chief itself runs locally); it watches the
+    started ones and kills on all."""
     out: list[dict[str, object]] = []
     for node in spec.ranked_nodes():
         name = spec.alias(node)
-        if name in started:
-            group = spec.group(node)
-            out.append({"name": name, "address": node.address, "port": group.port, "user": group.username or "",
-                        "local": node is spec.chief})  # fmt: skip
+        group = spec.group(node)
+        out.append({"name": name, "address": node.address, "port": group.port, "user": group.username or "",
+                    "local": node is spec.chief, "started": name in started})  # fmt: skip
     return out
 
 

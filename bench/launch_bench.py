@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Benchmark: launch overhead vs pdsh fan-out, and teardown latency, on 4 sandbox nodes.
+
+1. Launch overhead. The same trivial torchrun job (init gloo, barrier, exit) on every node:
+   - pdsh: the torchrun command fanned out with `pdsh -R ssh` and `--node-rank %n`, as
+     DeepSpeed's PDSH runner does (same ssh_config, env file and venv as nodeops);
+   - nodeops: `nodeops launch --no-check` (run dirs, job scripts, process groups, watcher,
+     live log streaming), and `nodeops launch` with its preflight.
+   Runs alternate; medians are compared. Goal: nodeops/pdsh <= 1.3.
+2. Teardown latency. Rank 3 (node4) writes time.time() to a file and exits 1 mid-training;
+   a poller runs `ps` in every container (docker exec) until no rank is left anywhere.
+   Latency = last rank gone - failure. Attached (the controller tears down) and detached (the
+   chief's watcher does). Goal: <= 3 s. The poller's resolution is printed with the result.
+
+    python bench/launch_bench.py [--runs 3] [--keep]
+
+Needs the torch 2.13.0 CPU wheelhouse in .cache/wheelhouse-torch (the demo makes it) and pdsh
+on this machine (installed with apt when missing and running as root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from nodeops import sandbox  # noqa: E402
+
+NAME = "benchl"
+SUBNET = "10.218.0.0/24"
+NODEOPS = str(Path(sys.executable).parent / "nodeops")
+WHEELS = ROOT / ".cache" / "wheelhouse-torch"
+TRIVIAL = "import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n"
+FAIL = """import os, sys, time
+import torch, torch.distributed as d
+d.init_process_group('gloo')
+r = d.get_rank()
+t = torch.ones(1)
+for step in range(100000):
+    if r == int(sys.argv[1]) and step == 10:
+        open(sys.argv[2], 'w').write(repr(time.time()))
+        sys.exit(1)
+    d.all_reduce(t)
+    time.sleep(0.05)
+"""
+JOB = re.compile(r"fail\.py|trivial\.py|torch\.distributed\.run|job\.sh")
+
+
+def sh(*argv: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    p: subprocess.CompletedProcess[str] = subprocess.run(argv, capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload]
+    return p
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
+    t = time.monotonic()
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    took = time.monotonic() - t
+    if p.returncode != 0:
+        raise SystemExit(f"{argv[0]} failed ({p.returncode}):\n{p.stdout[-1500:]}\n{p.stderr[-1500:]}")
+    return took
+
+
+def alive(sb: sandbox.Sandbox) -> dict[str, int]:
+    def one(n: sandbox.NodeInfo) -> int:
+        ps = sh("docker", "exec", n.container, "ps", "-eo", "cmd").stdout.splitlines()
+        return sum(1 for line in ps if JOB.search(line))
+
+    with concurrent.futures.ThreadPoolExecutor(len(sb.nodes)) as pool:
+        return dict(zip([n.name for n in sb.nodes], pool.map(one, sb.nodes), strict=True))
+
+
+def teardown_latency(sb: sandbox.Sandbox, spec: Path, detach: bool) -> tuple[float, float]:
+    """Seconds from rank 3's failure until no rank is left anywhere; and the poll interval."""
+    marker = f"/tmp/nodeops-bench-failed-{time.time_ns()}"
+    node4 = sb.nodes[3]
+    argv = [NODEOPS, "launch", str(spec), "--no-check", *(["--detach"] if detach else []), "--", "fail.py", "3", marker]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    failed_at = None
+    deadline = time.monotonic() + 180
+    while failed_at is None and time.monotonic() < deadline:
+        got = sh("docker", "exec", node4.container, "cat", marker).stdout.strip()
+        failed_at = float(got) if got else None
+        time.sleep(0.05)
+    if failed_at is None:
+        proc.kill()
+        raise SystemExit(f"rank 3 never failed: {proc.communicate()[1][-2000:]}")
+    polls: list[float] = []
+    while time.time() - failed_at < 60:
+        t0 = time.time()
+        left = alive(sb)
+        polls.append(time.time() - t0)
+        if not any(left.values()):
+            gone = time.time()
+            break
+    else:
+        raise SystemExit(f"ranks still alive 60 s after the failure: {left}")
+    proc.wait(timeout=120)
+    sh("docker", "exec", node4.container, "rm", "-f", marker)
+    return gone - failed_at, statistics.median(polls)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--keep", action="store_true", help="leave the bench sandbox up")
+    args = ap.parse_args()
+    if not (WHEELS / ".complete").exists():
+        raise SystemExit(f"no torch wheelhouse in {WHEELS}; run scripts/demo.sh once (or pip download torch==2.13.0)")
+    if shutil.which("pdsh") is None:
+        print("==> installing pdsh (apt)", flush=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", "pdsh"], check=True, capture_output=True)
+    sb = sandbox.up(name=NAME, n=4, subnet=SUBNET, say=lambda m: print(f"==> {m}", flush=True))
+    try:
+        with tempfile.TemporaryDirectory(prefix="nodeops-bench-") as tmp:
+            work = Path(tmp)
+            (work / "project").mkdir()
+            (work / "project" / "trivial.py").write_text(TRIVIAL)
+            (work / "project" / "fail.py").write_text(FAIL)
+            spec = work / "cluster.yaml"
+            spec.write_text(sb.spec_path.read_text() + (
+                "name: benchl\n"
+                f"python: {{venv: ~/.venvs/bench, packages: ['torch==2.13.0'], wheelhouse: {WHEELS}}}\n"
+                f"workdir: {{path: /srv/bench, source: {work / 'project'}}}\n"
+                "network: {ib: 'off'}\nenv: {OMP_NUM_THREADS: 1}\n"
+            ))  # fmt: skip
+            print("==> nodeops setup (not timed)", flush=True)
+            timed([NODEOPS, "setup", str(spec)])
+            # pdsh gets the same ssh_config (strict host keys) and the same env/venv as nodeops' jobs.
+            cfg = work / "ssh_config"
+            cfg.write_text(sb.ssh_config.read_text())
+            env = {**os.environ, "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS": f"-F {cfg} -x %h"}
+            chief = sb.nodes[0].address
+            remote = (
+                "cd /srv/bench && . ~/.nodeops/benchl/env.sh && . ~/.venvs/bench/bin/activate && "
+                f"python3 -m torch.distributed.run --nnodes 4 --nproc-per-node 1 --node-rank %n "
+                f"--master-addr {chief} --master-port 29500 trivial.py"
+            )
+            hosts = ",".join(n.name for n in sb.nodes)
+            times: dict[str, list[float]] = {"pdsh": [], "nodeops --no-check": [], "nodeops (preflight)": []}
+            runs = {
+                "pdsh": (["pdsh", "-S", "-w", hosts, remote], env),
+                "nodeops --no-check": ([NODEOPS, "launch", str(spec), "--no-check", "--", "trivial.py"], None),
+                "nodeops (preflight)": ([NODEOPS, "launch", str(spec), "--", "trivial.py"], None),
+            }
+            for argv, e in runs.values():  # warm-up: page cache, ssh control sockets
+                timed(argv, e)
+            for i in range(args.runs):
+                for label, (argv, e) in runs.items():
+                    took = timed(argv, e)
+                    times[label].append(took)
+                    print(f"    run {i + 1} {label:20} {took:6.2f}s", flush=True)
+            lat: dict[str, list[float]] = {"attached": [], "detached": []}
+            polls: list[float] = []
+            for i in range(args.runs):
+                for mode in ("attached", "detached"):
+                    s, poll = teardown_latency(sb, spec, mode == "detached")
+                    lat[mode].append(s)
+                    polls.append(poll)
+                    print(f"    teardown {i + 1} {mode:9} {s:5.2f}s", flush=True)
+    finally:
+        if not args.keep:
+            sandbox.down(NAME)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"\nlaunch of a trivial torchrun job on 4 nodes, {args.runs} runs each (median):")
+    for k, v in med.items():
+        print(f"  {k:20} {v:6.2f}s")
+    for k in ("nodeops --no-check", "nodeops (preflight)"):
+        r = med[k] / med["pdsh"]
+        print(f"  ratio {k}/pdsh: {r:.2f}  goal <= 1.3: {'ok' if r <= 1.3 else 'MISSED'}")
+    print(f"\nteardown latency, failure -> no rank anywhere (poll interval ~{statistics.median(polls):.2f}s):")
+    for k, vals in lat.items():
+        m = statistics.median(vals)
+        print(f"  {k:9} median {m:5.2f}s  max {max(vals):5.2f}s  goal <= 3s: {'ok' if max(vals) <= 3 else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
