@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from nodeops import sandbox  # noqa: E402
+from nodeops.spec import load_spec  # noqa: E402
 
 NAME = "benchl"
 SUBNET = "10.218.0.0/24"
@@ -129,7 +130,6 @@ def main() -> int:
             (work / "project" / "fail.py").write_text(FAIL)
             spec = work / "cluster.yaml"
             spec.write_text(sb.spec_path.read_text() + (
-                "name: benchl\n"
                 f"python: {{venv: ~/.venvs/bench, packages: ['torch==2.13.0'], wheelhouse: {WHEELS}}}\n"
                 f"workdir: {{path: /srv/bench, source: {work / 'project'}}}\n"
                 "network: {ib: 'off'}\nenv: {OMP_NUM_THREADS: 1}\n"
@@ -141,8 +141,9 @@ def main() -> int:
             cfg.write_text(sb.ssh_config.read_text())
             env = {**os.environ, "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS": f"-F {cfg} -x %h"}
             chief = sb.nodes[0].address
+            cluster = load_spec(spec).cluster_name
             remote = (
-                "cd /srv/bench && . ~/.nodeops/benchl/env.sh && . ~/.venvs/bench/bin/activate && "
+                f"cd /srv/bench && . ~/.nodeops/{cluster}/env.sh && . ~/.venvs/bench/bin/activate && "
                 f"python3 -m torch.distributed.run --nnodes 4 --nproc-per-node 1 --node-rank %n "
                 f"--master-addr {chief} --master-port 29500 trivial.py"
             )

@@ -184,6 +184,7 @@ def follow(
     """
     states = {h: HostState(h) for h in hosts}
     kill_hosts = list(kill_hosts) or list(hosts)
+    remote_tails: dict[str, deque[str]] = {}  # pdsh: each node's own lines, by address
     events: queue.Queue[tuple[str, str | None]] = queue.Queue()
     procs: dict[str, subprocess.Popen[str]] = {}
     script = f"{remote_dir(run_id)}/follow.sh"
@@ -239,13 +240,16 @@ def follow(
             else:
                 st.tail.append(line)
                 emit(host, line)
+                addr, sep, rest = line.partition(": ")
+                if sep and addr in (addresses or {}):
+                    remote_tails.setdefault(addr, deque(maxlen=TAIL_LINES)).append(rest)
                 remote = pdsh_failure(line, addresses or {})
                 if remote is None:
                     continue
                 name, code = remote
                 st = states.setdefault(name, HostState(name))
                 st.exit_code, st.ended_at = code, time.monotonic()
-                st.tail.extend(t for t in states[host].tail if t.startswith(f"{_address_of(name, addresses)}: "))
+                st.tail.extend(remote_tails.get(_address_of(name, addresses), []))
                 host = name
             failed = st.exit_code not in (0, None)
             if failed and failed_at is None:
@@ -268,8 +272,32 @@ def follow(
             signal.signal(signal.SIGTERM, previous)
     teardown_s = (torn_down_at - failed_at) if (torn_down_at and failed_at) else None
     if not interrupted:
+        blame_peers(states, remote_tails, addresses or {})
         root = root_cause(list(states.values()))
     return JobResult(run_id, states, root, interrupted, teardown_s)
+
+
+_BLAMED_PEER = re.compile(r"by peer \[([0-9A-Fa-f.:]+)\]")
+_DS_RANK_EXIT = re.compile(r"exits with return code = (-?\d+)")
+
+
+def blame_peers(states: dict[str, HostState], remote_tails: dict[str, deque[str]], addresses: dict[str, str]) -> None:
+    """pdsh may report a peer's failure before the node that caused it, and the teardown can
+    end pdsh before it reports the cause at all. gloo names the peer that went away
+    ("Connection closed by peer [ADDR]"): that node becomes a failed host too, with its own
+    lines and DeepSpeed's "exits with return code = N" as its code."""
+    for st in list(states.values()):
+        for line in list(st.tail):
+            m = _BLAMED_PEER.search(line)
+            name = addresses.get(m.group(1)) if m else None
+            if m is None or name is None or states.get(name, HostState(name)).exit_code not in (None, 0):
+                continue
+            b = states.setdefault(name, HostState(name))
+            b.tail.extend(remote_tails.get(m.group(1), []))
+            codes = [int(c) for t in b.tail for c in _DS_RANK_EXIT.findall(t)]
+            b.exit_code = next((c for c in codes if c > 0), -1)
+            b.lost_reason = b.lost_reason or f"the peer that {st.host}'s ranks lost first"
+            b.ended_at = st.ended_at
 
 
 _PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
@@ -292,15 +320,21 @@ def _address_of(host: str, addresses: dict[str, str] | None) -> str:
 _RANK_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
 
 
+# gloo's words in a rank whose peer went away first: that host is a victim, not the cause.
+_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|caused by a remote worker crashing")
+
+
 def root_cause(states: Sequence[HostState]) -> HostState | None:
-    """The failure that started it: a host whose rank exited with a real code beats hosts whose
-    ranks died of signals (gloo aborts peers within the same second); then the earliest."""
+    """The failure that started it. A host whose ranks only report a lost peer (gloo aborts the
+    others within the same second) ranks after one that failed by itself; a rank that exited
+    with a real code beats one that died of a signal; then the earliest."""
     failed = [s for s in states if s.exit_code not in (0, None)]
     if not failed:
         return None
 
-    def key(s: HostState) -> tuple[int, float]:
+    def key(s: HostState) -> tuple[int, int, float]:
         codes = [int(c) for line in s.tail for c in _RANK_EXIT.findall(line)]
-        return (0 if any(c > 0 for c in codes) else 1, s.ended_at)
+        victim = any(_PEER_LOST.search(line) for line in s.tail)
+        return (1 if victim else 0, 0 if any(c > 0 for c in codes) else 1, s.ended_at)
 
     return min(failed, key=key)

@@ -50,7 +50,19 @@ try:
     out["packages"] = {(d.metadata["Name"] or "").lower(): d.version for d in md.distributions() if d.metadata["Name"]}
 except Exception as e:  # noqa: BLE001
     out["packages_error"] = str(e)
+FAST = os.environ.get("NODEOPS_PROBE_FAST") == "1"
 try:
+    if FAST:  # launch's preflight: versions without importing torch (which takes seconds)
+        import importlib.util, re
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("No module named 'torch'")
+        text = open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")).read()
+        ver = re.search(r"^__version__\s*=\s*'([^']*)'", text, re.M)
+        cuda = re.search(r"^cuda(?::[^=]*)?=\s*'([^']*)'", text, re.M)
+        out["torch"] = ver.group(1) if ver else "unknown"
+        out["torch_cuda"] = cuda.group(1) if cuda else None
+        raise StopIteration
     import torch
     out["torch"] = torch.__version__
     out["torch_cuda"] = torch.version.cuda
@@ -60,6 +72,8 @@ try:
         out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else (str(v) if v else None)
     except Exception:  # noqa: BLE001
         out["nccl"] = None
+except StopIteration:
+    pass
 except Exception as e:  # noqa: BLE001
     out["torch_error"] = type(e).__name__ + ": " + str(e)
 print("@@nodeops-env " + json.dumps(out))
@@ -119,9 +133,12 @@ def tree_hash(root: str, exclude: list[str], budget: int = HASH_BUDGET) -> dict[
     return {"hash": h.hexdigest()[:16], "files": files, "bytes": size, "exact": exact}
 
 
-def _run(argv: list[str], timeout: float, stdin: str | None = None) -> tuple[int, str, str]:
+def _run(
+    argv: list[str], timeout: float, stdin: str | None = None, env: dict[str, str] | None = None
+) -> tuple[int, str, str]:
     try:
-        p = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout, errors="replace")
+        p = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout, errors="replace",
+                           env=env)  # fmt: skip
     except FileNotFoundError:
         return 127, "", argv[0] + ": not found"
     except subprocess.TimeoutExpired:
@@ -185,7 +202,8 @@ def env_facts(plan: dict[str, Any]) -> dict[str, Any]:
     if plan.get("activate"):
         script += plan["activate"] + "\n"
     script += 'exec python3 -c "$1"\n'
-    rc, out, err = _run(["bash", "-c", script, "bash", ENV_SCRIPT], 120)
+    env = dict(os.environ, NODEOPS_PROBE_FAST="1" if plan.get("fast") else "0")
+    rc, out, err = _run(["bash", "-c", script, "bash", ENV_SCRIPT], 120, env=env)
     for line in out.splitlines():
         if line.startswith(ENV_MARK):
             doc: dict[str, Any] = json.loads(line[len(ENV_MARK) :])

@@ -46,7 +46,7 @@ def test_torchrun_3x1_every_rank_reports_the_same_hash(project: Path, first_run:
     assert "every host exited 0" in p.stderr
 
 
-def test_heterogeneous_2_1_1_uses_c10d(project: Path, first_run: object, tmp_path: Path) -> None:
+def test_heterogeneous_2_1_1_uses_c10d_via_the_playbook(project: Path, first_run: object, tmp_path: Path) -> None:
     text = (
         (project / "cluster.yaml")
         .read_text()
@@ -55,8 +55,9 @@ def test_heterogeneous_2_1_1_uses_c10d(project: Path, first_run: object, tmp_pat
     assert "nproc: 2" in text
     spec = tmp_path / "hetero.yaml"
     spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1))
-    p = launch(spec, "--", "ddp_train.py", "--steps", "3")
+    p = launch(spec, "--via", "ansible", "--", "ddp_train.py", "--steps", "3")  # the playbook transport
     assert p.returncode == 0, p.stderr[-3000:]
+    assert "(via ansible)" in p.stderr
     ranks = re.findall(r"^(node\d) \[rank(\d)\]:final param hash (\w+)$", p.stdout, re.M)
     assert sorted(r for _, r, _ in ranks) == ["0", "1", "2", "3"], p.stdout[-2000:]
     assert sorted(h for h, _, _ in ranks) == ["node1", "node1", "node2", "node3"]

@@ -64,3 +64,31 @@ def test_root_cause_prefers_a_real_exit_over_a_signal_death() -> None:
     assert root_cause([aborted, real, ok]) is real
     assert root_cause([aborted, ok]) is aborted
     assert root_cause([ok]) is None
+
+
+def test_root_cause_skips_hosts_that_only_lost_a_peer() -> None:
+    """DeepSpeed/pdsh order: node2's rank saw gloo's "Connection closed by peer" and was reported
+    before node3, whose rank failed by itself."""
+    from nodeops.jobs import HostState, root_cause
+
+    victim = HostState("node2", exit_code=1, ended_at=1.0)
+    victim.tail.append("RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.13]:44693. This is typically")
+    culprit = HostState("node3", exit_code=1, ended_at=2.0)
+    culprit.tail.append("rank 2: failing on purpose at step 5")
+    assert root_cause([victim, culprit]) is culprit
+
+
+def test_blamed_peer_becomes_the_root_cause_when_pdsh_never_reported_it() -> None:
+    from collections import deque
+
+    from nodeops.jobs import HostState, blame_peers, root_cause
+
+    victim = HostState("node2", exit_code=1, ended_at=1.0)
+    victim.tail.append("[rank1]: RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.13]:44693.")
+    states = {"node1": HostState("node1", exit_code=-1, ended_at=1.5), "node2": victim}
+    ds_exit = "[ERROR] [launch.py:259:sigkill_handler] ['python'] exits with return code = 1"
+    tails = {"10.0.0.13": deque(["rank 2: failing on purpose at step 5", ds_exit])}
+    blame_peers(states, tails, {"10.0.0.11": "node1", "10.0.0.12": "node2", "10.0.0.13": "node3"})
+    assert states["node3"].exit_code == 1
+    assert "failing on purpose" in states["node3"].tail[0]
+    assert root_cause(list(states.values())) is states["node3"]

@@ -33,6 +33,9 @@ def launch(
     detach: Annotated[
         bool, typer.Option("--detach", help="Return once every host has started; see `nodeops status/logs/stop`.")
     ] = False,
+    via: Annotated[
+        str, typer.Option(help="How to start the jobs: `ssh` (one ssh per host, like pdsh) or `ansible` (launch.yml).")
+    ] = "ssh",
     no_check: Annotated[
         bool, typer.Option("--no-check", help="Skip the preflight (ssh from the chief, ports, version parity).")
     ] = False,
@@ -45,10 +48,9 @@ def launch(
     host is named with its last lines. Ctrl-C stops everything and exits 130. Arguments after
     `--` reach the script literally.
     """
-    from nodeops import jobs, launchers
+    from nodeops import jobs, launchers, starter
     from nodeops.cli.jobs_cmds import emitter
     from nodeops.render import inventory, resolve_secrets, ssh_config
-    from nodeops.resources import data_dir
     from nodeops.runner import run_playbook
     from nodeops.spec import load_spec
 
@@ -56,11 +58,13 @@ def launch(
     if user_argv[:1] == ["--"]:
         user_argv = user_argv[1:]
     with errors():
+        if via not in ("ssh", "ansible"):
+            fail(f"error: --via {via}: use ssh or ansible", EXIT_SPEC)
         loaded = load_spec(spec)
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script after `--`, e.g. -- train.py", EXIT_SPEC)
         s = loaded.spec
-        inv = inventory(loaded, os.environ)
+        inventory(loaded, os.environ)  # the same checks as setup (env values), before any host
         resolve_secrets(s, os.environ)  # a missing secret is exit 2 here, before any host
         if not no_check:
             preflight(loaded)
@@ -81,25 +85,19 @@ def launch(
             "rank_hosts": launchers.rank_hosts(s) if s.launch.runner == "mpirun" else [],
             "all_hosts": [h.host for h in plan],
         }, indent=2))  # fmt: skip
-        err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)}")
+        err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via})")
         t0 = time.monotonic()
-        extravars = {
-            "nodeops_run_id": run_id,
-            "nodeops_templates": str(data_dir("templates")),
-            "nodeops_mpi_shim": launchers.MPI_SHIM,
-            "nodeops_launch_plan": {h.host: {"argv": h.argv, "env": h.env} for h in plan},
-            "nodeops_watch": {
-                "run_id": run_id,
-                "hosts": watch_hosts(s, started),
-                "pdsh": s.launch.runner == "deepspeed",
-            },
-        }
-        result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
-        if not result.ok:
-            for hr in result.hosts.values():
-                for e in hr.errors:
-                    err(f"{hr.host}: {e}")
-            bad = [h.host for h in result.hosts.values() if h.status != "ok"]
+        watch = {"run_id": run_id, "hosts": watch_hosts(s, started), "pdsh": s.launch.runner == "deepspeed"}
+        files = starter.host_files(loaded, plan, run_id, watch)
+        if via == "ssh":
+            bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
+        else:
+            extravars = {"nodeops_run_id": run_id, **starter.ansible_vars(files)}
+            result = run_playbook("launch.yml", inventory(loaded, os.environ), kind="launch", extravars=extravars)
+            bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values() if hr.status != "ok"}
+        if bad:
+            for host, why in bad.items():
+                err(f"{host}: {why}")
             jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
             fail(f"launch failed on {', '.join(bad)}; nothing is left running", EXIT_FAILURE)
         if detach:

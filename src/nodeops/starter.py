@@ -1,0 +1,144 @@
+"""Start a launch plan on the hosts: render every host's run-dir files, ship them, start the job.
+
+The files (``job.sh``, ``follow.sh``, ``kill.sh``, ``status.sh``, ``wait.sh``, ``start.sh``, the
+MPI shim, and on the chief the watcher) are rendered here from ``templates/launch/`` and then
+carried by one of two transports that end the same way, by running ``start.sh`` on the host:
+
+- ``ssh`` (default): one ssh per host, in parallel, piping a small bash bundle (pdsh's cost);
+- ``ansible``: ``playbooks/launch.yml`` through ansible-runner (copies the same files).
+
+Paths under the remote user's home are written ``@@HOME@@/...`` and become ``"$HOME"/...`` in the
+scripts (the controller does not know the remote home). The token is reserved: an argument that
+contains ``@@HOME@@`` literally would be expanded too.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nodeops import launchers
+from nodeops.errors import NodeopsError
+from nodeops.resources import data_dir
+from nodeops.spec import LoadedSpec
+
+HOME = "@@HOME@@"
+STARTED = "@@nodeops-started"
+
+
+class StartError(NodeopsError):
+    pass
+
+
+@dataclass(frozen=True)
+class RunFile:
+    name: str
+    content: str
+    mode: str  # octal, as text: "0700"
+
+
+def shell_quote(value: object) -> str:
+    """shlex.quote, with @@HOME@@ turned into "$HOME" (expanded by the remote shell)."""
+    parts = str(value).split(HOME)
+    return '"$HOME"'.join(shlex.quote(p) if p else "" for p in parts) or "''"
+
+
+def _jinja() -> Any:
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
+                             keep_trailing_newline=True)  # fmt: skip
+    env.filters["quote"] = shell_quote
+    return env
+
+
+def run_dir(run_id: str) -> str:
+    return f"{HOME}/.nodeops/runs/{run_id}"
+
+
+def host_files(
+    loaded: LoadedSpec, plan: list[launchers.HostLaunch], run_id: str, watch: dict[str, Any]
+) -> dict[str, list[RunFile]]:
+    """Every host's run-dir files, by host alias."""
+    from nodeops.render import activation
+
+    spec = loaded.spec
+    j = _jinja()
+    tdir = data_dir("templates") / "launch"
+
+    def tpl(name: str, **kw: Any) -> str:
+        return str(j.from_string((tdir / name).read_text()).render(run_id=run_id, **kw))
+
+    rdir = run_dir(run_id)
+    nodes = {spec.alias(n): n for n in spec.nodes}
+    chief = spec.alias(spec.chief)
+    runner = spec.launch.runner
+    out: dict[str, list[RunFile]] = {}
+    for h in plan:
+        node = nodes[h.host]
+        files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2"), "0700") for s in ("follow", "kill", "status", "wait")]
+        if runner == "mpirun":
+            files.append(RunFile("mpi_shim.sh", launchers.MPI_SHIM, "0755"))
+        if h.argv:
+            env = {**h.env, **spec.group(node).shared_envs, "NODEOPS_RUN_DIR": rdir}
+            if runner == "torchrun":
+                env.update({"PET_LOG_DIR": f"{rdir}/ranks", "PET_TEE": "3",
+                            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"})  # fmt: skip
+            workdir = spec.workdir.path if spec.workdir is not None else rdir
+            files.append(RunFile("job.sh", tpl(
+                "job.sh.j2", host=h.host, node_rank=h.node_rank, runner=runner, workdir=workdir,
+                env_file=f"{HOME}/.nodeops/{loaded.cluster_name}/env.sh", activate=activation(spec, node),
+                env=env, argv=h.argv,
+            ), "0700"))  # fmt: skip
+        watcher = h.host == chief and len(watch["hosts"]) > 1 and runner != "mpirun"
+        if watcher:
+            import json
+
+            files.append(RunFile("watch.py", (tdir / "watch.py").read_text(), "0600"))
+            files.append(RunFile("watch.json", json.dumps(watch, indent=2), "0600"))
+        files.append(RunFile("start.sh", tpl("start.sh.j2", host=h.host), "0700"))
+        out[h.host] = files
+    return out
+
+
+def bundle(run_id: str, files: list[RunFile]) -> str:
+    """A bash script that writes the files into the run dir and runs start.sh (stdin of ssh)."""
+    lines = ["set -eu", "umask 077", f'd="$HOME/.nodeops/runs/{run_id}"', 'mkdir -p "$d"', 'chmod 700 "$d"',
+             'cd "$d"']  # fmt: skip
+    for f in files:
+        b64 = base64.b64encode(f.content.encode()).decode()
+        lines.append(f"printf '%s' '{b64}' | base64 -d > {shlex.quote(f.name)}")
+        lines.append(f"chmod {f.mode} {shlex.quote(f.name)}")
+    lines.append("exec bash start.sh")
+    return "\n".join(lines) + "\n"
+
+
+def start_ssh(ssh_config: Path, run_id: str, files: dict[str, list[RunFile]], timeout: float = 60) -> dict[str, str]:
+    """Ship and start on every host in parallel; returns host -> error ('' when started)."""
+
+    def one(host: str) -> str:
+        argv = ["ssh", "-F", str(ssh_config), "-o", "ConnectTimeout=10", host, "bash", "-s"]
+        try:
+            p = subprocess.run(argv, input=bundle(run_id, files[host]), capture_output=True, text=True,
+                               timeout=timeout, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return f"did not start within {timeout:.0f}s"
+        if p.returncode == 0 and STARTED in p.stdout:
+            return ""
+        lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+        return lines[-1] if lines else f"exit {p.returncode}"
+
+    hosts = list(files)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        return dict(zip(hosts, pool.map(one, hosts), strict=True))
+
+
+def ansible_vars(files: dict[str, list[RunFile]]) -> dict[str, Any]:
+    """Extra vars for playbooks/launch.yml: the same files, per host."""
+    return {"nodeops_launch_files": {h: [{"name": f.name, "content": f.content, "mode": f.mode} for f in fs]
+                                     for h, fs in files.items()}}  # fmt: skip

@@ -1,0 +1,73 @@
+"""Run-dir files and the ssh bundle that starts a job (run here with bash, no ssh)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from nodeops import launchers, starter
+from nodeops.spec import LoadedSpec, load_spec_text
+
+SPEC = """
+nodes:
+  - {address: 10.0.0.1, chief: true, cpus: [0]}
+  - {address: 10.0.0.2, cpus: [0]}
+python: {venv: ~/.venvs/t}
+"""
+
+
+def files_for(spec_text: str, argv: list[str]) -> tuple[LoadedSpec, dict[str, list[starter.RunFile]]]:
+    loaded = load_spec_text(spec_text)
+    plan = launchers.plan(loaded.spec, argv, "20261122-101500-ab12", shim_path="@@HOME@@/shim")
+    watch = {"run_id": "r", "hosts": [{"name": h.host} for h in plan], "pdsh": False}
+    return loaded, starter.host_files(loaded, plan, "20261122-101500-ab12", watch)
+
+
+def test_shell_quote_expands_only_the_home_token() -> None:
+    assert starter.shell_quote("@@HOME@@/a b") == "\"$HOME\"'/a b'"
+    assert starter.shell_quote("$(x)") == "'$(x)'"
+    assert starter.shell_quote("") == "''"
+    out = subprocess.run(["bash", "-c", "echo " + starter.shell_quote("@@HOME@@/x y")], env={"HOME": "/h"},
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert out == "/h/x y\n"
+
+
+def test_every_host_gets_its_scripts_and_only_the_chief_a_watcher() -> None:
+    _, files = files_for(SPEC, ["train.py"])
+    names = {h: [f.name for f in fs] for h, fs in files.items()}
+    assert set(names["10.0.0.1"]) == {"follow.sh", "kill.sh", "status.sh", "wait.sh", "job.sh", "watch.py",
+                                      "watch.json", "start.sh"}  # fmt: skip
+    assert "watch.py" not in names["10.0.0.2"] and "job.sh" in names["10.0.0.2"]
+    job = next(f for f in files["10.0.0.2"] if f.name == "job.sh").content
+    assert "export NODE_RANK=1" in job
+    assert 'export NODEOPS_RUN_DIR="$HOME"/.nodeops/runs/20261122-101500-ab12' in job
+    assert 'source "$HOME"/.venvs/t/bin/activate' in job
+
+
+def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: Path) -> None:
+    """The bundle that ssh pipes to `bash -s`, run locally with HOME pointing to a temp dir."""
+    job = "#!/usr/bin/env bash\necho hello from $NODEOPS_TEST\nexit 3\n"
+    files = [starter.RunFile("job.sh", job, "0700")]
+    loaded = load_spec_text(SPEC)
+    plan = launchers.plan(loaded.spec, ["x"], "20261122-101500-ab12")
+    start = next(f for f in starter.host_files(loaded, plan, "20261122-101500-ab12", {"hosts": []})["10.0.0.2"]
+                 if f.name == "start.sh")  # fmt: skip
+    script = starter.bundle("20261122-101500-ab12", [*files, start])
+    p = subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True, timeout=30, check=False,
+                       env={**os.environ, "HOME": str(tmp_path), "NODEOPS_TEST": "t1"})  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert starter.STARTED in p.stdout
+    d = tmp_path / ".nodeops" / "runs" / "20261122-101500-ab12"
+    assert oct(d.stat().st_mode & 0o777) == "0o700"
+    deadline = time.monotonic() + 10
+    while not (d / "exit_code").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (d / "exit_code").read_text().strip() == "3"
+    assert (d / "host.log").read_text() == "hello from t1\n"
+    assert int((d / "pgid").read_text()) > 1
+    # run twice: the job is not started again
+    again = subprocess.run(["bash", str(d / "start.sh")], capture_output=True, text=True, check=True,
+                           env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
+    assert starter.STARTED in again.stdout and (d / "host.log").read_text() == "hello from t1\n"
