@@ -77,8 +77,7 @@ class JobResult:
         if self.interrupted:
             return 130
         if self.root_cause is not None:
-            code = self.root_cause.exit_code
-            return code if code and code > 0 else 1
+            return failure_code(self.root_cause) or 1
         return 0
 
 
@@ -174,13 +173,17 @@ def follow(
     stop_on_failure: bool = True,
     kill_hosts: Sequence[str] = (),
     addresses: dict[str, str] | None = None,
+    agent_failure_is_final: bool = False,
 ) -> JobResult:
     """Stream every host's log until all jobs end; fail fast across hosts.
 
-    ``kill_hosts``: where teardown runs (default: ``hosts``); mpirun and deepspeed start ranks
-    on hosts that are not followed. ``addresses``: address -> host, to name the host in pdsh's
-    "ssh exited with exit code N" report (DeepSpeed's runner): that report is a failure too,
-    so a dead node's peers are not left training (DeepSpeed issue #5005).
+    ``agent_failure_is_final`` (torchrun with no restarts): torchrun's "failed (exitcode: N)"
+    line about a worker starts the teardown at once, without waiting the second or two torchrun
+    takes to shut down and exit. ``kill_hosts``: where teardown runs (default: ``hosts``);
+    mpirun and deepspeed start ranks on hosts that are not followed. ``addresses``: address ->
+    host, to name the host in pdsh's "ssh exited with exit code N" report (DeepSpeed's
+    runner): that report is a failure too, so a dead node's peers are not left training
+    (DeepSpeed issue #5005).
     """
     states = {h: HostState(h) for h in hosts}
     kill_hosts = list(kill_hosts) or list(hosts)
@@ -243,6 +246,11 @@ def follow(
                 addr, sep, rest = line.partition(": ")
                 if sep and addr in (addresses or {}):
                     remote_tails.setdefault(addr, deque(maxlen=TAIL_LINES)).append(rest)
+                if agent_failure_is_final and failed_at is None and stop_on_failure and _AGENT_FAILED.search(line):
+                    failed_at = time.monotonic()
+                    teardown(ssh_config, [h for h in kill_hosts if h != host], run_id)
+                    torn_down_at = time.monotonic()
+                    continue
                 remote = pdsh_failure(line, addresses or {})
                 if remote is None:
                     continue
@@ -300,6 +308,8 @@ def blame_peers(states: dict[str, HostState], remote_tails: dict[str, deque[str]
             b.ended_at = st.ended_at
 
 
+# torchrun's agent, the moment it sees a worker fail (before its own shutdown and exit).
+_AGENT_FAILED = re.compile(r"failed \(exitcode: (?:[1-9]\d*|-\d+)\) local_rank: \d+")
 _PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
 
 
@@ -318,6 +328,15 @@ def _address_of(host: str, addresses: dict[str, str] | None) -> str:
 # torchrun's failure summary: "exitcode  : 1 (pid: 123)" for a rank that exited by itself,
 # "exitcode  : -6 (pid: 123)  (SIGABRT)" for one killed by a signal (often a peer's failure).
 _RANK_EXIT = re.compile(r"exitcode\s*:\s*(-?\d+)")
+
+
+def failure_code(st: HostState) -> int | None:
+    """The host's job exit code, or when the job was stopped (fail-fast may stop the failing
+    host too, when a peer's torchrun reported first) its rank's own code from torchrun's lines."""
+    if st.exit_code is not None and st.exit_code > 0:
+        return st.exit_code
+    codes = [int(c) for line in st.tail for c in _RANK_EXIT.findall(line)]
+    return next((c for c in codes if c > 0), None)
 
 
 # gloo's words in a rank whose peer went away first: that host is a victim, not the cause.

@@ -81,7 +81,9 @@ def host_files(
     out: dict[str, list[RunFile]] = {}
     for h in plan:
         node = nodes[h.host]
-        files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2"), "0700") for s in ("follow", "kill", "status", "wait")]
+        agent_final = runner == "torchrun" and spec.launch.max_restarts == 0
+        files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2", agent_final=agent_final), "0700")
+                 for s in ("follow", "kill", "status", "wait")]  # fmt: skip
         if runner == "mpirun":
             files.append(RunFile("mpi_shim.sh", launchers.MPI_SHIM, "0755"))
         if h.argv:

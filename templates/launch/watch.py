@@ -54,7 +54,8 @@ def remote(host, script):
     return [*argv, host["address"], f"bash {RUN}/{script}"]
 
 
-def teardown(why):
+def teardown(why, skip=""):
+    """kill.sh on every host but `skip` (the host that failed: its job is ending by itself)."""
     with lock:
         if state["torn_down"]:
             return
@@ -68,7 +69,7 @@ def teardown(why):
         except subprocess.TimeoutExpired:
             log("kill.sh timed out on " + host["name"])
 
-    threads = [threading.Thread(target=kill, args=(h,)) for h in cfg["hosts"]]
+    threads = [threading.Thread(target=kill, args=(h,)) for h in cfg["hosts"] if h["name"] != skip]
     for t in threads:
         t.start()
     for t in threads:
@@ -100,7 +101,7 @@ def watch(host):
         return
     log(f"{host['name']} ended: {code}")
     if code != "0":
-        teardown(f"{host['name']} ended with {code}")
+        teardown(f"{host['name']} ended with {code}", skip=host["name"])
 
 
 def follow_pdsh():

@@ -92,3 +92,15 @@ def test_blamed_peer_becomes_the_root_cause_when_pdsh_never_reported_it() -> Non
     assert states["node3"].exit_code == 1
     assert "failing on purpose" in states["node3"].tail[0]
     assert root_cause(list(states.values())) is states["node3"]
+
+
+def test_a_stopped_culprit_keeps_its_ranks_exit_code() -> None:
+    """A victim's torchrun may report first; fail-fast then stops the culprit's job too, and its
+    rank's own code comes from torchrun's line."""
+    from nodeops.jobs import HostState, JobResult, failure_code
+
+    culprit = HostState("node3", exit_code=-1, ended_at=2.0)
+    culprit.tail.append("E1122 api.py:1002] failed (exitcode: 7) local_rank: 0 (pid: 631) of binary: python3")
+    assert failure_code(culprit) == 7
+    assert failure_code(HostState("n", exit_code=-1)) is None
+    assert JobResult("r", {"node3": culprit}, culprit, False, None).exit_code == 7

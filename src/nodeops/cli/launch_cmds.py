@@ -109,8 +109,9 @@ def launch(
         rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []
         addresses = {n.address: s.alias(n) for n in s.nodes}
         emit = emitter(rank_hosts, addresses if s.launch.runner == "deepspeed" else {})
+        final = s.launch.runner == "torchrun" and s.launch.max_restarts == 0
         res = jobs.follow(local / "ssh_config", started, run_id, emit, kill_hosts=[h.host for h in plan],
-                          addresses=addresses)  # fmt: skip
+                          addresses=addresses, agent_failure_is_final=final)  # fmt: skip
         (local / "result.json").write_text(json.dumps({
             h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()
         }))  # fmt: skip
@@ -118,7 +119,8 @@ def launch(
             fail(f"==> run {run_id} interrupted; every rank on every host was stopped", res.exit_code)
         if res.root_cause is not None:
             rc = res.root_cause
-            why = f"exit code {rc.exit_code}" if rc.exit_code and rc.exit_code > 0 else rc.lost_reason
+            code = jobs.failure_code(rc)
+            why = f"exit code {code}" if code else rc.lost_reason
             err(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); last lines:")
             for line in rc.tail:
                 err(f"    {rc.host} {line}")
