@@ -34,21 +34,14 @@ def log(msg):
 def remote(host, script):
     if host.get("local"):
         return ["bash", os.path.join(os.path.expanduser("~"), RUN, script)]
-    argv = [
-        "ssh",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        "StrictHostKeyChecking=yes",
-        "-o",
-        "ConnectTimeout=10",
-        "-o",
-        "ServerAliveInterval=2",
-        "-o",
-        "ServerAliveCountMax=3",
-        "-p",
-        str(host["port"]),
-    ]
+    # The long-lived wait.sh connection becomes a control master that kill.sh's ssh reuses, so the
+    # teardown does not pay for new ssh handshakes on a loaded node.
+    # (~/.ssh, not the run dir: a socket path must stay under 108 bytes.)
+    opts = ["BatchMode=yes", "StrictHostKeyChecking=yes", "ConnectTimeout=10", "ServerAliveInterval=2"]
+    opts += ["ServerAliveCountMax=3", "ControlMaster=auto", "ControlPath=~/.ssh/nodeops-w-%C", "ControlPersist=30"]
+    argv = ["ssh", "-p", str(host["port"])]
+    for o in opts:
+        argv += ["-o", o]
     if host.get("user"):
         argv += ["-l", host["user"]]
     return [*argv, host["address"], f"bash {RUN}/{script}"]
