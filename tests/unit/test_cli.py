@@ -29,7 +29,7 @@ def test_no_args_shows_help() -> None:
     assert "validate" in r.output and "render" in r.output
 
 
-@pytest.mark.parametrize("cmd", ["validate", "render", "schema", "import-hostfile"])
+@pytest.mark.parametrize("cmd", ["validate", "render", "schema", "import-hostfile", "check", "launch", "setup"])
 def test_every_command_has_an_example(cmd: str) -> None:
     r = runner.invoke(app, [cmd, "-h"])
     assert r.exit_code == 0
@@ -50,6 +50,16 @@ def test_validate_error_exit_2_on_stderr() -> None:
     assert r.stdout == ""
     assert f"{path}:7:5: error: nodes[1].chief: more than one chief" in r.stderr
     assert "nothing was run" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["check"], ["launch"], ["setup"]])
+def test_spec_errors_stop_every_host_command_with_exit_2(cmd: list[str]) -> None:
+    """A bad spec is refused before any ssh (the addresses here route nowhere)."""
+    path = SPECS / "two-chiefs.error.two-chiefs.yaml"
+    extra = ["--", "train.py"] if cmd == ["launch"] else []
+    r = runner.invoke(app, [*cmd, str(path), *extra])
+    assert r.exit_code == 2, r.output
+    assert "more than one chief" in r.stderr and "nothing was run" in r.stderr
 
 
 def test_validate_json() -> None:
