@@ -97,6 +97,7 @@ class Job:
     runner: str
     rank_hosts: list[str] = field(default_factory=list)  # mpirun: the host of each global rank
     all_hosts: list[str] = field(default_factory=list)  # every host of the spec: where stop/teardown run
+    pdsh_hosts: dict[str, str] = field(default_factory=dict)  # deepspeed: pdsh's address prefix -> host
 
     @property
     def kill_hosts(self) -> list[str]:
@@ -121,7 +122,7 @@ def find(run_id: str | None) -> Job:
         raise JobError(f"no job {run_id} in {jobs_dir()}")
     meta = json.loads((d / "job.json").read_text())
     return Job(run_id, d, meta["hosts"], meta["argv"], meta["runner"], meta.get("rank_hosts", []),
-               meta.get("all_hosts", []))  # fmt: skip
+               meta.get("all_hosts", []), meta.get("pdsh_hosts", {}))  # fmt: skip
 
 
 def host_states(job: Job) -> dict[str, str]:

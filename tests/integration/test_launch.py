@@ -252,6 +252,9 @@ def test_deepspeed_3x1_through_pdsh_and_a_dead_rank_stops_everything(
     assert sorted(h for h, _ in hashes) == ["node1", "node2", "node3"], p.stdout[-3000:]
     assert len({d for _, d in hashes}) == 1
     assert re.search(r"^node3 \| rank 2/3 on node3 ", p.stdout, re.M), p.stdout[-3000:]
+    run_id = re.search(r"==> run (\S+):", p.stderr).group(1)  # type: ignore[union-attr]
+    logs = _cli("logs", run_id)  # later, from a new process: the same host names
+    assert re.search(r"^node3 \| final param hash ", logs.stdout, re.M), logs.stdout[-2000:]
 
     p = launch(spec, "--", "ddp_train.py", "--steps", "300", "--sleep", "0.3", "--fail-rank", "2",
                "--fail-step", "5")  # fmt: skip

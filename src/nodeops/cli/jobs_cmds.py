@@ -89,7 +89,7 @@ def logs(
 
     with errors():
         job = jobs.find(run_id)
-        emit = emitter(job.rank_hosts)  # (pdsh's address prefixes stay as they are here)
+        emit = emitter(job.rank_hosts, job.pdsh_hosts)
         if follow:
             res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit, stop_on_failure=False,
                               kill_hosts=job.kill_hosts)  # fmt: skip

@@ -84,6 +84,7 @@ def launch(
             "runner": s.launch.runner, "started": time.time(),
             "rank_hosts": launchers.rank_hosts(s) if s.launch.runner == "mpirun" else [],
             "all_hosts": [h.host for h in plan],
+            "pdsh_hosts": {n.address: s.alias(n) for n in s.nodes} if s.launch.runner == "deepspeed" else {},
         }, indent=2))  # fmt: skip
         err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via})")
         t0 = time.monotonic()
