@@ -22,6 +22,7 @@ from typing import Any
 
 from nodeops import probe
 from nodeops.errors import NodeopsError
+from nodeops.jobs import last_line, ssh_argv
 from nodeops.spec import LoadedSpec, ResourceSpec
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -117,7 +118,7 @@ def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dict
         cfg = Path(tmp) / "ssh_config"
         cfg.write_text(ssh_config(loaded))
         os.chmod(cfg, 0o600)
-        argv = ["ssh", "-F", str(cfg), "-o", "ConnectTimeout=10", chief, "python3 -c " + shlex.quote(probe.BOOT)]
+        argv = ssh_argv(cfg, chief, "python3 -c " + shlex.quote(probe.BOOT))
         try:
             p = subprocess.run(argv, input=payload, capture_output=True, text=True, timeout=timeout + 30,
                                errors="replace")  # fmt: skip
@@ -127,8 +128,7 @@ def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dict
         if line.startswith(probe.MARK):
             doc: dict[str, Any] = json.loads(line[len(probe.MARK) :])
             return doc
-    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-    why = lines[-1] if lines else f"ssh exited {p.returncode}"
+    why = last_line(p.stderr, f"ssh exited {p.returncode}")
     if p.returncode == 255:
         return {"unreachable": f"ssh from this machine to the chief {chief} failed: {why}"}
     raise CheckError(f"the probe failed on the chief {chief} (exit {p.returncode}): {why}")

@@ -81,9 +81,16 @@ class JobResult:
         return 0
 
 
-def _ssh(ssh_config: Path, host: str, *command: str) -> list[str]:
-    return ["ssh", "-F", str(ssh_config), "-o", "ServerAliveInterval=2", "-o", "ServerAliveCountMax=3", host,
-            *command]  # fmt: skip
+def ssh_argv(ssh_config: Path, host: str, *command: str) -> list[str]:
+    """ssh to a host through the cluster's generated ssh_config (strict host keys, multiplexed)."""
+    return ["ssh", "-F", str(ssh_config), "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=2",
+            "-o", "ServerAliveCountMax=3", host, *command]  # fmt: skip
+
+
+def last_line(text: str, default: str) -> str:
+    """The last non-blank line of a command's stderr (ssh puts its reason there), or default."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else default
 
 
 @dataclass(frozen=True)
@@ -130,12 +137,12 @@ def host_states(job: Job) -> dict[str, str]:
 
     def one(host: str) -> str:
         try:
-            p = subprocess.run(_ssh(job.ssh_config, host, "bash", f"{remote_dir(job.run_id)}/status.sh"),
+            p = subprocess.run(ssh_argv(job.ssh_config, host, "bash", f"{remote_dir(job.run_id)}/status.sh"),
                                capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
             return "unreachable: ssh timed out"
         if p.returncode != 0:
-            return "unreachable: " + (p.stderr.strip().splitlines() or ["ssh failed"])[-1]
+            return "unreachable: " + last_line(p.stderr, "ssh failed")
         return p.stdout.strip()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(job.hosts))) as pool:
@@ -144,7 +151,7 @@ def host_states(job: Job) -> dict[str, str]:
 
 def read_logs(job: Job) -> dict[str, list[str]]:
     def one(host: str) -> list[str]:
-        p = subprocess.run(_ssh(job.ssh_config, host, "cat", f"{remote_dir(job.run_id)}/host.log"),
+        p = subprocess.run(ssh_argv(job.ssh_config, host, "cat", f"{remote_dir(job.run_id)}/host.log"),
                            capture_output=True, text=True, timeout=60, check=False, errors="replace")  # fmt: skip
         return p.stdout.splitlines()
 
@@ -159,7 +166,7 @@ def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> None:
     def kill(host: str) -> None:
         # An unreachable host times out: nothing more can be done from here.
         with contextlib.suppress(subprocess.TimeoutExpired):
-            subprocess.run(_ssh(ssh_config, host, "bash", script), capture_output=True, timeout=30, check=False)
+            subprocess.run(ssh_argv(ssh_config, host, "bash", script), capture_output=True, timeout=30, check=False)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
         list(pool.map(kill, hosts))
@@ -194,7 +201,7 @@ def follow(
     script = f"{remote_dir(run_id)}/follow.sh"
 
     def reader(host: str) -> None:
-        p = subprocess.Popen(_ssh(ssh_config, host, "bash", script), stdout=subprocess.PIPE,
+        p = subprocess.Popen(ssh_argv(ssh_config, host, "bash", script), stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, errors="replace")  # fmt: skip
         procs[host] = p
         assert p.stdout is not None and p.stderr is not None
@@ -218,6 +225,14 @@ def follow(
 
     def on_sigterm(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt
+
+    def fail_fast(spare: str) -> None:
+        """The first failure: stop every host but `spare` (whose job is ending by itself)."""
+        nonlocal failed_at, torn_down_at
+        failed_at = time.monotonic()
+        if stop_on_failure:
+            teardown(ssh_config, [h for h in kill_hosts if h != spare], run_id)
+            torn_down_at = time.monotonic()
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)
@@ -244,13 +259,11 @@ def follow(
             else:
                 st.tail.append(line)
                 emit(host, line)
-                addr, sep, rest = line.partition(": ")
-                if sep and addr in (addresses or {}):
-                    remote_tails.setdefault(addr, deque(maxlen=TAIL_LINES)).append(rest)
+                prefixed = pdsh_split(line, addresses or {})
+                if prefixed is not None:
+                    remote_tails.setdefault(prefixed[0], deque(maxlen=TAIL_LINES)).append(prefixed[1])
                 if agent_failure_is_final and failed_at is None and stop_on_failure and _AGENT_FAILED.search(line):
-                    failed_at = time.monotonic()
-                    teardown(ssh_config, [h for h in kill_hosts if h != host], run_id)
-                    torn_down_at = time.monotonic()
+                    fail_fast(host)
                     continue
                 remote = pdsh_failure(line, addresses or {})
                 if remote is None:
@@ -262,10 +275,7 @@ def follow(
                 host = name
             failed = st.exit_code not in (0, None)
             if failed and failed_at is None:
-                failed_at = time.monotonic()
-                if stop_on_failure:
-                    teardown(ssh_config, [h for h in kill_hosts if h != host], run_id)
-                    torn_down_at = time.monotonic()
+                fail_fast(host)
     except KeyboardInterrupt:
         interrupted = True
         failed_at = time.monotonic()
@@ -312,6 +322,12 @@ def blame_peers(states: dict[str, HostState], remote_tails: dict[str, deque[str]
 # torchrun's agent, the moment it sees a worker fail (before its own shutdown and exit).
 _AGENT_FAILED = re.compile(r"failed \(exitcode: (?:[1-9]\d*|-\d+)\) local_rank: \d+")
 _PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+
+
+def pdsh_split(line: str, addresses: dict[str, str]) -> tuple[str, str] | None:
+    """pdsh prefixes each node's lines with `ADDRESS: `: (address, rest), or None."""
+    addr, sep, rest = line.partition(": ")
+    return (addr, rest) if sep and addr in addresses else None
 
 
 def pdsh_failure(line: str, addresses: dict[str, str]) -> tuple[str, int] | None:

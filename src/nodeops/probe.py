@@ -50,19 +50,17 @@ try:
     out["packages"] = {(d.metadata["Name"] or "").lower(): d.version for d in md.distributions() if d.metadata["Name"]}
 except Exception as e:  # noqa: BLE001
     out["packages_error"] = str(e)
-FAST = os.environ.get("NODEOPS_PROBE_FAST") == "1"
-try:
-    if FAST:  # launch's preflight: versions without importing torch (which takes seconds)
-        import importlib.util, re
-        spec = importlib.util.find_spec("torch")
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError("No module named 'torch'")
-        text = open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")).read()
-        ver = re.search(r"^__version__\s*=\s*'([^']*)'", text, re.M)
-        cuda = re.search(r"^cuda(?::[^=]*)?=\s*'([^']*)'", text, re.M)
-        out["torch"] = ver.group(1) if ver else "unknown"
-        out["torch_cuda"] = cuda.group(1) if cuda else None
-        raise StopIteration
+def torch_versions():  # launch's preflight: torch's version.py read as text, not imported (slow)
+    import importlib.util, re
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("No module named 'torch'")
+    text = open(os.path.join(list(spec.submodule_search_locations)[0], "version.py")).read()
+    ver = re.search(r"^__version__\s*=\s*'([^']*)'", text, re.M)
+    cuda = re.search(r"^cuda(?::[^=]*)?=\s*'([^']*)'", text, re.M)
+    out["torch"] = ver.group(1) if ver else "unknown"
+    out["torch_cuda"] = cuda.group(1) if cuda else None
+def torch_full():
     import torch
     out["torch"] = torch.__version__
     out["torch_cuda"] = torch.version.cuda
@@ -72,8 +70,8 @@ try:
         out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else (str(v) if v else None)
     except Exception:  # noqa: BLE001
         out["nccl"] = None
-except StopIteration:
-    pass
+try:
+    (torch_versions if os.environ.get("NODEOPS_PROBE_FAST") == "1" else torch_full)()
 except Exception as e:  # noqa: BLE001
     out["torch_error"] = type(e).__name__ + ": " + str(e)
 print("@@nodeops-env " + json.dumps(out))

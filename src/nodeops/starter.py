@@ -24,6 +24,7 @@ from typing import Any
 
 from nodeops import launchers
 from nodeops.errors import NodeopsError
+from nodeops.jobs import last_line, ssh_argv
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec
 
@@ -124,16 +125,14 @@ def start_ssh(ssh_config: Path, run_id: str, files: dict[str, list[RunFile]], ti
     """Ship and start on every host in parallel; returns host -> error ('' when started)."""
 
     def one(host: str) -> str:
-        argv = ["ssh", "-F", str(ssh_config), "-o", "ConnectTimeout=10", host, "bash", "-s"]
         try:
-            p = subprocess.run(argv, input=bundle(run_id, files[host]), capture_output=True, text=True,
-                               timeout=timeout, check=False)  # fmt: skip
+            p = subprocess.run(ssh_argv(ssh_config, host, "bash", "-s"), input=bundle(run_id, files[host]),
+                               capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
             return f"did not start within {timeout:.0f}s"
         if p.returncode == 0 and STARTED in p.stdout:
             return ""
-        lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-        return lines[-1] if lines else f"exit {p.returncode}"
+        return last_line(p.stderr, f"exit {p.returncode}")
 
     hosts = list(files)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:

@@ -8,7 +8,6 @@ seen in public nvidia-smi output (GPU UUIDs borrowed from public issue threads).
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 import sys
@@ -236,4 +235,4 @@ def test_probe_boots_from_stdin_and_reports_a_real_listener(tmp_path: Path) -> N
         assert "cannot listen on port" in again.error
     finally:
         taken.close()
-    assert copy.deepcopy(f)["workdir"] == {"exists": True}
+    assert f["workdir"] == {"exists": True}  # fast mode: no hash

@@ -31,6 +31,8 @@ def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None = None) -> 
     """emit_line, plus: for mpirun (all output arrives on the chief, tagged `[job,rank]<stdout>:`)
     the rank's own host and a `[rankN]:` prefix, like torchrun's lines; for deepspeed (pdsh
     prefixes each node's lines with `ADDRESS: `) the node's own host name."""
+    from nodeops.jobs import pdsh_split
+
     if not rank_hosts and not pdsh_hosts:
         return emit_line
     pending: dict[int, str] = {}
@@ -50,9 +52,9 @@ def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None = None) -> 
                     out = pending.pop(rank)
                     emit_line(rank_hosts[rank] if rank < len(rank_hosts) else host, f"[rank{rank}]:{out}")
             return
-        addr, sep, rest = line.partition(": ")
-        if sep and pdsh_hosts and addr in pdsh_hosts:
-            emit_line(pdsh_hosts[addr], rest)
+        prefixed = pdsh_split(line, pdsh_hosts or {})
+        if prefixed is not None:
+            emit_line((pdsh_hosts or {})[prefixed[0]], prefixed[1])
             return
         emit_line(host, line)
 

@@ -64,7 +64,7 @@ def launch(
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script after `--`, e.g. -- train.py", EXIT_SPEC)
         s = loaded.spec
-        inventory(loaded, os.environ)  # the same checks as setup (env values), before any host
+        inv = inventory(loaded, os.environ)  # the same checks as setup (env values), before any host
         resolve_secrets(s, os.environ)  # a missing secret is exit 2 here, before any host
         if not no_check:
             preflight(loaded)
@@ -79,12 +79,15 @@ def launch(
             hostfile_path=f"@@HOME@@/.nodeops/{loaded.cluster_name}/hostfile",
         )  # fmt: skip
         started = [h.host for h in plan if h.argv]
+        addresses = {n.address: s.alias(n) for n in s.nodes}
+        rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []  # mpirun's tagged lines
+        pdsh_hosts = addresses if s.launch.runner == "deepspeed" else {}  # pdsh's address prefixes
         (local / "job.json").write_text(json.dumps({
             "run_id": run_id, "spec": str(spec.resolve()), "hosts": started, "argv": user_argv,
             "runner": s.launch.runner, "started": time.time(),
-            "rank_hosts": launchers.rank_hosts(s) if s.launch.runner == "mpirun" else [],
+            "rank_hosts": rank_hosts,
             "all_hosts": [h.host for h in plan],
-            "pdsh_hosts": {n.address: s.alias(n) for n in s.nodes} if s.launch.runner == "deepspeed" else {},
+            "pdsh_hosts": pdsh_hosts,
         }, indent=2))  # fmt: skip
         err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via})")
         t0 = time.monotonic()
@@ -94,7 +97,7 @@ def launch(
             bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
         else:
             extravars = {"nodeops_run_id": run_id, **starter.ansible_vars(files)}
-            result = run_playbook("launch.yml", inventory(loaded, os.environ), kind="launch", extravars=extravars)
+            result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
             bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values() if hr.status != "ok"}
         if bad:
             for host, why in bad.items():
@@ -107,9 +110,7 @@ def launch(
             typer.echo(run_id)
             return
         err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
-        rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []
-        addresses = {n.address: s.alias(n) for n in s.nodes}
-        emit = emitter(rank_hosts, addresses if s.launch.runner == "deepspeed" else {})
+        emit = emitter(rank_hosts, pdsh_hosts)
         final = s.launch.runner == "torchrun" and s.launch.max_restarts == 0
         res = jobs.follow(local / "ssh_config", started, run_id, emit, kill_hosts=[h.host for h in plan],
                           addresses=addresses, agent_failure_is_final=final)  # fmt: skip
