@@ -23,17 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from nodeops import launchers
-from nodeops.errors import NodeopsError
 from nodeops.jobs import last_line, ssh_argv
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec
 
 HOME = "@@HOME@@"
 STARTED = "@@nodeops-started"
-
-
-class StartError(NodeopsError):
-    pass
 
 
 @dataclass(frozen=True)
