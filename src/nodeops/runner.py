@@ -23,9 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from nodeops.errors import NodeopsError
+from nodeops.quoting import ansible_yaml
 from nodeops.resources import data_dir
 
 # Ansible needs roughly this many file descriptors per fork (pipes, ssh control sockets);
@@ -197,7 +196,7 @@ def run_playbook(
     pdd = runs_dir() / f"{kind}-{stamp}-{_secrets.token_hex(3)}"
     pdd.mkdir(mode=0o700)
     (pdd / "inventory").mkdir(mode=0o700)
-    (pdd / "inventory" / "hosts.yml").write_text(yaml.safe_dump(dict(inventory), sort_keys=False))
+    (pdd / "inventory" / "hosts.yml").write_text(ansible_yaml(dict(inventory)))
     control_dir = runs_dir().parent / "cp"
     control_dir.mkdir(mode=0o700, exist_ok=True)
     forks = forks_for(len(hosts_all), raise_fd_limit())
@@ -217,7 +216,7 @@ def run_playbook(
     for path, data in var_files:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(data, f)
+            f.write(ansible_yaml(data))
         cmdline += ["-e", f"@{path}"]
     if check:
         cmdline.append("--check")

@@ -316,17 +316,67 @@ def spec_text(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def used_subnets() -> list[ipaddress.IPv4Network]:
+    """IPv4 networks already taken on this machine: every Docker network's subnets and the
+    host's own routes (a sandbox there would shadow a real network)."""
+    found: list[str] = []
+    ids = docker("network", "ls", "-q").split()
+    if ids:
+        fmt = "{{range .IPAM.Config}}{{.Subnet}} {{end}}"
+        found += docker("network", "inspect", "--format", fmt, *ids).split()
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=False).stdout
+    found += [line.split()[0] for line in routes.splitlines() if line and line.split()[0][0].isdigit()]
+    out: list[ipaddress.IPv4Network] = []
+    for text in found:
+        try:
+            net = ipaddress.ip_network(text, strict=False)
+        except ValueError:
+            continue
+        if isinstance(net, ipaddress.IPv4Network):
+            out.append(net)
+    return out
+
+
+def free_subnet(used: Sequence[ipaddress.IPv4Network], start: str = DEFAULT_SUBNET, tries: int = 256) -> str:
+    """The first /24 from ``start`` on (10.213.0.0/24, 10.213.1.0/24, ...) that overlaps nothing in ``used``."""
+    base = ipaddress.ip_network(start)
+    for i in range(tries):
+        cand = ipaddress.ip_network((int(base.network_address) + i * 256, 24))
+        if not any(cand.overlaps(u) for u in used):
+            return str(cand)
+    raise SandboxError(f"no free /24 from {start} on ({tries} tried); pass --subnet")
+
+
+def existing_subnet(name: str) -> str | None:
+    """The subnet of this sandbox's network, if it exists."""
+    if not networks(name):
+        return None
+    fmt = "{{range .IPAM.Config}}{{.Subnet}} {{end}}"
+    subnets = docker("network", "inspect", "--format", fmt, network_name(name)).split()
+    return subnets[0] if subnets else None
+
+
 def up(
     name: str = DEFAULT_NAME,
     n: int = 3,
-    subnet: str = DEFAULT_SUBNET,
+    subnet: str | None = None,
     image: str | None = None,
     build: str = "auto",
     say: Say = lambda _m: None,
 ) -> Sandbox:
-    """Create (or re-verify) the sandbox. On failure, remove what this call created and raise."""
-    addresses = _check_args(name, n, subnet)
+    """Create (or re-verify) the sandbox. On failure, remove what this call created and raise.
+
+    ``subnet=None``: the sandbox's own subnet when it exists, else the first free /24 from
+    10.213.0.0/24 on (said through ``say``), so a second sandbox never hits "Pool overlaps"."""
+    if subnet is not None:
+        _check_args(name, n, subnet)
     ensure_engine()
+    if subnet is None:
+        subnet = existing_subnet(name)
+        if subnet is None:
+            subnet = free_subnet(used_subnets())
+            say(f"using subnet {subnet} (the first free /24 from {DEFAULT_SUBNET}; choose one with --subnet)")
+    addresses = _check_args(name, n, subnet)
     existing = nodes(name)
     if existing and len(existing) != n:
         raise SandboxError(

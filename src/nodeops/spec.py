@@ -84,14 +84,83 @@ EnvName = Annotated[str, AfterValidator(_env_name)]
 EnvValue = Annotated[str, BeforeValidator(_scalar_to_str), AfterValidator(_env_value)]
 
 
+# Paths and names that reach shells, ssh_config, rsync and fstab: a conservative character set
+# that no renderer needs to quote (they still quote; this is the user-facing refusal, with a line).
+_PATH_CHARS = re.compile(r"^[A-Za-z0-9_./+@,:=-]*$")
+_USERNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+_JUMP_HOP = re.compile(
+    r"^(?:ssh://)?(?:[A-Za-z_][A-Za-z0-9_.-]{0,31}@)?(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?$"
+)
+_NFS_OPTIONS = re.compile(r"^[A-Za-z0-9_.,=:+/@-]+$")
+_COMMAND = re.compile(r"^[A-Za-z0-9_./+-]+$")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _jump_hop_ok(hop: str) -> bool:
+    m = _JUMP_HOP.match(hop)
+    port = hop.rpartition(":")[2] if m and not hop.endswith("]") and ":" in hop.removeprefix("ssh://") else None
+    return bool(m) and (port is None or 1 <= int(port) <= 65535)
+
+
+def _odd_chars(value: str, allowed: re.Pattern[str]) -> str:
+    """The characters of value that the pattern does not allow, for the message."""
+    odd = sorted({c for c in value if not allowed.match(c)})
+    return " ".join(repr(c) for c in odd)
+
+
 def _check_path(value: str, what: str, *, absolute: bool = False, allow_home: bool = True) -> str:
-    if any(c in value for c in '\n\r\0"'):
-        raise _err(f"{what} contains a quote, line break or NUL", "use a plain path")
     if absolute:
         ok = value.startswith("/") or (allow_home and (value == "~" or value.startswith("~/")))
         if not ok:
             hint = "an absolute path such as /srv/train" + (" or one under ~/" if allow_home else "")
             raise _err(f"{what} {value!r} is not absolute", f"use {hint}")
+    rest = value[1:] if allow_home and (value == "~" or value.startswith("~/")) else value
+    if value == "" or not _PATH_CHARS.match(rest):
+        odd = _odd_chars(rest, re.compile(r"[A-Za-z0-9_./+@,:=-]"))
+        raise _err(
+            f"{what} {value!r} is empty or has characters a path here may not hold" + (f": {odd}" if odd else ""),
+            "use letters, digits and _ . / + @ , : = - only"
+            + (" (a leading ~/ means the home dir)" if allow_home else "")
+            + "; no spaces, quotes, $, `, ;, &, |, <, >, *, ? or line breaks",
+        )
+    return value
+
+
+def _check_host(value: str, what: str) -> str:
+    """An IP address or a DNS name (no user@, no spaces, nothing a shell or ssh would read)."""
+    v = value.strip()
+    try:
+        ipaddress.ip_address(v)
+        return v
+    except ValueError:
+        pass
+    if "@" in v:
+        raise _err(f"{what} {v!r} contains a user name", "put the user in an ssh group's `username`")
+    if _HOSTNAME.match(v) is None:
+        raise _err(f"{what} {v!r} is neither an IP address nor a host name", "use e.g. 10.0.0.2 or node-1.example")
+    return v
+
+
+def _no_control(value: str, what: str) -> str:
+    if _CONTROL.search(value):
+        raise _err(f"{what} contains a line break, tab or other control character", "write it on one line")
+    return value
+
+
+def _shared_env_value(value: str) -> str:
+    """AutoDist shared_envs: ``$NAME`` and ``${NAME}`` expand on the node; command substitution
+    and the other ``${...}`` forms would run code or surprise, so they are refused."""
+    if "$(" in value or "`" in value:
+        raise _err(
+            "command substitution ($(...) or backticks) is not run in shared_envs",
+            "write the value literally, or compute it in a --script that calls $NODEOPS_RUNNER",
+        )
+    for m in re.finditer(r"\$\{", value):
+        if not re.match(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}", value[m.start() :]):
+            raise _err(
+                "only $NAME and ${NAME} expand in shared_envs; other ${...} forms are not supported",
+                "use $NAME or ${NAME}, or set the value in a --script",
+            )
     return value
 
 
@@ -102,6 +171,9 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+SharedEnvValue = Annotated[EnvValue, AfterValidator(_shared_env_value)]
 
 
 class _Model(BaseModel):
@@ -118,8 +190,10 @@ class SSHGroup(_Model):
     python_venv: str | None = Field(
         None, description="AutoDist: a shell snippet that activates the Python env, e.g. 'source ~/venv/bin/activate'."
     )
-    shared_envs: dict[EnvName, EnvValue] = Field(
-        default_factory=dict, description="AutoDist: env vars for every process on these nodes; $VAR expands remotely."
+    shared_envs: dict[EnvName, SharedEnvValue] = Field(
+        default_factory=dict,
+        description="AutoDist: env vars for every process on these nodes; $NAME and ${NAME} expand on the node "
+        "(command substitution is refused).",
     )
     known_hosts: str | None = Field(
         None, description="nodeops: known_hosts file that pins these nodes' host keys (default: ~/.ssh/known_hosts)."
@@ -133,6 +207,30 @@ class SSHGroup(_Model):
     @classmethod
     def _paths(cls, v: str | None) -> str | None:
         return None if v is None else _check_path(v, "path")
+
+    @field_validator("username")
+    @classmethod
+    def _username(cls, v: str | None) -> str | None:
+        if v is not None and not _USERNAME.match(v):
+            raise _err(
+                f"username {v!r} is not a login name",
+                "use letters, digits, '_', '.' and '-', starting with a letter or '_' (e.g. ubuntu)",
+            )
+        return v
+
+    @field_validator("proxy_jump")
+    @classmethod
+    def _jump(cls, v: str | None) -> str | None:
+        if v is not None and not all(_jump_hop_ok(hop) for hop in v.split(",")):
+            raise _err(f"proxy_jump {v!r} is not [user@]host[:port] (comma-separated hops)",
+                       "write e.g. ops@bastion.example:22, or bastion1,bastion2")  # fmt: skip
+        return v
+
+    @field_validator("python_venv")
+    @classmethod
+    def _venv_snippet(cls, v: str | None) -> str | None:
+        # A shell snippet by design (AutoDist): it runs as written, so it is one line.
+        return None if v is None else _no_control(v, "python_venv")
 
 
 class Node(_Model):
@@ -153,17 +251,7 @@ class Node(_Model):
     @field_validator("address")
     @classmethod
     def _address(cls, v: str) -> str:
-        v = v.strip()
-        try:
-            ipaddress.ip_address(v)
-            return v
-        except ValueError:
-            pass
-        if "@" in v:
-            raise _err(f"address {v!r} contains a user name", "put the user in an ssh group's `username`")
-        if _HOSTNAME.match(v) is None:
-            raise _err(f"address {v!r} is neither an IP address nor a host name", "use e.g. 10.0.0.2 or node-1.example")
-        return v
+        return _check_host(v, "address")
 
     @field_validator("name")
     @classmethod
@@ -236,6 +324,25 @@ class PythonSpec(_Model):
     def _venv(cls, v: str | None) -> str | None:
         return None if v is None else _check_path(v, "venv", absolute=True)
 
+    @field_validator("interpreter")
+    @classmethod
+    def _interpreter(cls, v: str) -> str:
+        if not _COMMAND.match(v):
+            raise _err(f"interpreter {v!r} is not a command name or path", "use e.g. python3 or /usr/bin/python3.11")
+        return v
+
+    @field_validator("packages")
+    @classmethod
+    def _packages(cls, v: list[str]) -> list[str]:
+        for p in v:
+            _no_control(p, f"package {p!r}")
+            if p.strip().startswith("-") or not p.strip():
+                raise _err(
+                    f"package {p!r} is empty or a pip option",
+                    "list requirement strings only (e.g. torch==2.13.0); put pip options in `requirements:`",
+                )
+        return v
+
     @field_validator("conda")
     @classmethod
     def _conda(cls, v: str | None) -> str | None:
@@ -276,6 +383,19 @@ class NfsSpec(_Model):
     def _export(cls, v: str) -> str:
         return _check_path(v, "export", absolute=True, allow_home=False)
 
+    @field_validator("server")
+    @classmethod
+    def _server(cls, v: str) -> str:
+        return _check_host(v, "server")
+
+    @field_validator("options")
+    @classmethod
+    def _options(cls, v: str) -> str:
+        if not _NFS_OPTIONS.match(v):
+            raise _err(f"mount options {v!r} hold spaces or characters fstab and mount do not take",
+                       "write comma-separated options without spaces, e.g. rw,hard,nfsvers=4.1")  # fmt: skip
+        return v
+
 
 class WorkdirSpec(_Model):
     path: str = Field(description="The same absolute working directory on every node.")
@@ -291,6 +411,20 @@ class WorkdirSpec(_Model):
     @classmethod
     def _path(cls, v: str) -> str:
         return _check_path(v, "workdir path", absolute=True, allow_home=False)
+
+    @field_validator("source")
+    @classmethod
+    def _source(cls, v: str | None) -> str | None:
+        return None if v is None else _check_path(v, "source")
+
+    @field_validator("exclude")
+    @classmethod
+    def _exclude(cls, v: list[str]) -> list[str]:
+        for e in v:
+            _no_control(e, f"exclude pattern {e!r}")
+            if not e:
+                raise _err("an exclude pattern is empty", "remove it")
+        return v
 
     @model_validator(mode="after")
     def _nfs(self) -> WorkdirSpec:

@@ -12,6 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from nodeops.cli import app
+from nodeops.quoting import load_ansible_yaml
 
 from ..conftest import SHARED
 
@@ -87,7 +88,7 @@ def test_render_writes_only_its_files(tmp_path: Path) -> None:
         "ssh_config",
     ]
     assert (tmp_path / "mine.txt").read_text() == "keep me"
-    inv = yaml.safe_load((tmp_path / "inventory.yml").read_text())
+    inv = load_ansible_yaml((tmp_path / "inventory.yml").read_text())
     assert inv["all"]["children"]["chief"]["hosts"]["node-1"]["nodeops_node_rank"] == 0
 
 

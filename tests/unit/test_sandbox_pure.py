@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from pathlib import Path
 
 import pytest
 
 from nodeops import sandbox
+from nodeops.sandbox import SandboxError
 from nodeops.spec import load_spec_text
 
 
@@ -49,3 +51,12 @@ def test_image_tag_follows_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
     assert re.fullmatch(r"nodeops-sandbox-node:bookworm-[0-9a-f]{12}", tag)
     monkeypatch.setattr(sandbox, "PACKAGES", (*sandbox.PACKAGES, "rsync"))
     assert sandbox.default_image() != tag
+
+
+def test_free_subnet_skips_every_overlap() -> None:
+    used = [ipaddress.ip_network(n) for n in ("10.213.0.0/24", "10.213.1.0/25", "172.17.0.0/16", "10.213.2.0/23")]
+    assert sandbox.free_subnet(used) == "10.213.4.0/24"
+    assert sandbox.free_subnet([]) == "10.213.0.0/24"
+    # a wide route (10.0.0.0/8) covers every candidate: a clear error, not Docker's "Pool overlaps"
+    with pytest.raises(SandboxError, match="pass --subnet"):
+        sandbox.free_subnet([ipaddress.ip_network("10.0.0.0/8")])

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -50,7 +49,7 @@ def launch(
     """
     from nodeops import jobs, launchers, starter
     from nodeops.cli.jobs_cmds import emitter
-    from nodeops.render import inventory, resolve_secrets, ssh_config
+    from nodeops.render import inventory, ssh_config
     from nodeops.runner import run_playbook
     from nodeops.spec import load_spec
 
@@ -64,8 +63,9 @@ def launch(
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script after `--`, e.g. -- train.py", EXIT_SPEC)
         s = loaded.spec
-        inv = inventory(loaded, os.environ)  # the same checks as setup (env values), before any host
-        resolve_secrets(s, os.environ)  # a missing secret is exit 2 here, before any host
+        # Connection data only: launch sends no env values (the ranks read env.sh and secrets.env
+        # that setup wrote), so from_env and secret variables need not be exported here.
+        inv = inventory(loaded, None)
         if not no_check:
             preflight(loaded)
         run_id = jobs.new_run_id()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from typing import Annotated
 
@@ -16,6 +17,13 @@ sandbox_app = typer.Typer(
     context_settings=CONTEXT,
 )
 app.add_typer(sandbox_app)
+
+
+class Build(enum.StrEnum):
+    auto = "auto"
+    dockerfile = "dockerfile"
+    debootstrap = "debootstrap"
+
 
 NameOpt = Annotated[str, typer.Option("--name", help="Sandbox name; several can coexist.")]
 
@@ -34,11 +42,14 @@ def _say(message: str) -> None:
 def up(
     n: Annotated[int, typer.Option("-n", "--nodes", min=1, max=64, help="Number of nodes.")] = 3,
     name: NameOpt = "nodeops",
-    subnet: Annotated[str, typer.Option(help="IPv4 subnet of the sandbox's Docker network.")] = "10.213.0.0/24",
+    subnet: Annotated[
+        str | None,
+        typer.Option(
+            help="IPv4 subnet of the sandbox's Docker network (default: the first free /24 from 10.213.0.0/24)."
+        ),
+    ] = None,
     image: Annotated[str | None, typer.Option(help="Use your own node image (needs sshd, python3, sudo).")] = None,
-    build: Annotated[
-        str, typer.Option(help="How to build the default image: auto, dockerfile or debootstrap.")
-    ] = "auto",
+    build: Annotated[Build, typer.Option(help="How to build the default image.")] = Build.auto,
 ) -> None:
     """Start N sshd containers, each with its own IP, a sudo user and pinned host keys.
 
@@ -49,11 +60,9 @@ def up(
     """
     from nodeops import sandbox
 
-    if build not in ("auto", "dockerfile", "debootstrap"):
-        raise typer.BadParameter("use auto, dockerfile or debootstrap", param_hint="--build")
     with errors():
         t = time.monotonic()
-        sb = sandbox.up(name=name, n=n, subnet=subnet, image=image, build=build, say=_say)
+        sb = sandbox.up(name=name, n=n, subnet=subnet, image=image, build=build.value, say=_say)
         for node in sb.nodes:
             err(f"    {node.name:8} {node.address:15} {node.container}")
         err(f"==> sandbox {name!r} is up: {len(sb.nodes)} node(s), ssh checked, in {time.monotonic() - t:.1f}s")

@@ -1,0 +1,184 @@
+"""One quoting function per target. Every renderer uses these, and nothing else, to put a spec
+string into a file or a command that another parser reads.
+
+| target | function | what the parser then sees |
+|---|---|---|
+| bash, one word | :func:`sh_word` | exactly the string (no expansion of any kind) |
+| bash, a path that may start with ``~/`` | :func:`sh_path` | the path, ``~`` as the remote ``$HOME`` |
+| bash, a ``shared_envs`` value | :func:`sh_expand` | ``$NAME``/``${NAME}`` expanded, the rest literal |
+| ssh_config | :func:`ssh_config_value` | exactly the string (``%`` escaped where ssh expands tokens) |
+| /etc/fstab | :func:`fstab_field` | exactly the string (fstab's octal escapes) |
+| Ansible (inventory, extra vars) | :func:`ansible_yaml` | exactly the string, never templated (``!unsafe``) |
+
+Each either quotes or raises :class:`QuotingError` for what the target cannot carry (a NUL in a
+bash word, a line break in ssh_config). ``validate`` refuses such values earlier, with a line
+number; these checks are the last line of defence, not the user-facing error.
+
+This module is stdlib (plus PyYAML) only: the roles' filter plugin imports it too.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Any
+
+import yaml
+
+__all__ = [
+    "QuotingError",
+    "ansible_yaml",
+    "expand_refs",
+    "fstab_field",
+    "sh_expand",
+    "sh_path",
+    "sh_word",
+    "ssh_config_value",
+    "unsafe",
+]
+
+
+class QuotingError(ValueError):
+    pass
+
+
+def _no_nul(value: str, what: str) -> str:
+    if "\0" in value:
+        raise QuotingError(f"{what}: a NUL byte cannot be carried")
+    return value
+
+
+# --------------------------------------------------------------------------- bash
+def sh_word(value: object) -> str:
+    """One bash word that is exactly ``value``: nothing in it expands or splits."""
+    return shlex.quote(_no_nul(str(value), "shell word"))
+
+
+def sh_path(path: str) -> str:
+    """A path as one bash word, with a leading ``~`` or ``~/`` meaning the remote ``$HOME``."""
+    if path == "~":
+        return '"$HOME"'
+    if path.startswith("~/"):
+        return '"$HOME"/' + sh_word(path[2:]) if path[2:] else '"$HOME"/'
+    return sh_word(path)
+
+
+# $NAME or ${NAME}: the only expansion an AutoDist shared_envs value gets.
+_REF = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
+
+
+def expand_refs(value: str) -> list[tuple[str, str]]:
+    """Split a shared_envs value into ("lit", text) and ("ref", NAME) parts."""
+    parts: list[tuple[str, str]] = []
+    pos = 0
+    for m in _REF.finditer(value):
+        if m.start() > pos:
+            parts.append(("lit", value[pos : m.start()]))
+        parts.append(("ref", m.group(1) or m.group(2)))
+        pos = m.end()
+    if pos < len(value):
+        parts.append(("lit", value[pos:]))
+    return parts
+
+
+def sh_expand(value: object) -> str:
+    """An AutoDist ``shared_envs`` value as one bash word: ``$NAME`` and ``${NAME}`` expand on
+    the node (``LD_LIBRARY_PATH: $LD_LIBRARY_PATH:/opt/lib``), everything else is literal.
+    Command substitution (``$(...)``, backticks), arithmetic and ``${NAME:-...}`` forms never
+    run: they arrive as the characters written (``validate`` refuses them first)."""
+    text = _no_nul(str(value), "shell word")
+    out = "".join(f'"${{{text}}}"' if kind == "ref" else shlex.quote(text) for kind, text in expand_refs(text))
+    return out or "''"
+
+
+# --------------------------------------------------------------------------- ssh_config
+_SSH_BAD = re.compile(r"[^\x20-\x7e]")  # control characters and non-ASCII
+
+
+def ssh_config_value(value: str, *, tokens: bool = False) -> str:
+    """A value for one ssh_config directive that ssh reads back as exactly ``value``.
+
+    Control characters and non-ASCII cannot be carried (ssh_config has no escape for a line
+    break, and ssh mangles non-ASCII) and raise, as does an empty value. Anything with
+    whitespace, a quote, a backslash, ``#`` or ``=`` is double-quoted, with backslash, ``"`` and
+    ``'`` backslash-escaped as OpenSSH's argv_split reads them.
+    ``tokens``: the directive expands ``%x`` tokens (IdentityFile, UserKnownHostsFile, ...), so
+    ``%`` becomes ``%%``.
+    """
+    if value == "" or _SSH_BAD.search(value):
+        raise QuotingError(f"ssh_config: {value!r} is empty or holds a control character or non-ASCII")
+    if tokens:
+        value = value.replace("%", "%%")
+    if any(c.isspace() or c in "#'\"=\\" for c in value):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("'", "\\'")
+        return f'"{escaped}"'
+    return value
+
+
+# --------------------------------------------------------------------------- fstab
+def fstab_field(value: str) -> str:
+    """One /etc/fstab field: space, tab, newline and backslash as the octal escapes that
+    getmntent(3) decodes; empty and NUL raise."""
+    if value == "":
+        raise QuotingError("fstab: an empty field cannot be written")
+    _no_nul(value, "fstab field")
+    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in value)
+
+
+# --------------------------------------------------------------------------- Ansible
+class unsafe(str):  # lower case: reads like Ansible's own !unsafe
+    """A string Ansible must never template (dumped as ``!unsafe``)."""
+
+
+class _AnsibleDumper(yaml.SafeDumper):
+    pass
+
+
+def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
+    # Jinja acts only on "{{", "{%" and "{#": a string without "{" is inert, and stays plain so
+    # that the rendered inventory reads as usual. Everything else is tagged !unsafe.
+    if isinstance(data, unsafe) or "{" in data:
+        return dumper.represent_scalar("!unsafe", str(data), style="'" if "\n" not in data else '"')
+    return dumper.represent_str(str(data))
+
+
+_AnsibleDumper.add_representer(unsafe, _represent_str)
+_AnsibleDumper.add_representer(str, _represent_str)
+
+
+def ansible_yaml(data: Any, **kw: Any) -> str:
+    """YAML for Ansible (inventory, extra-vars files) that Ansible reads back as exactly the same
+    values and never templates: every string that holds a ``{`` (and every :class:`unsafe`) is
+    tagged ``!unsafe``, so ``{{ ... }}`` or ``{% ... %}`` in a spec value stays text wherever the
+    variable is used. Mapping keys stay plain (they are names that validate restricts)."""
+
+    def walk(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {_Key(k) if isinstance(k, str) else k: walk(v) for k, v in x.items()}
+        if isinstance(x, list | tuple):
+            return [walk(v) for v in x]
+        return x
+
+    kw.setdefault("sort_keys", False)
+    kw.setdefault("default_flow_style", False)
+    kw.setdefault("width", 1000)
+    return str(yaml.dump(walk(data), Dumper=_AnsibleDumper, allow_unicode=True, **kw))
+
+
+class _Key(str):
+    pass
+
+
+_AnsibleDumper.add_representer(_Key, lambda d, k: d.represent_scalar("tag:yaml.org,2002:str", str(k)))
+
+
+class _AnsibleLoader(yaml.SafeLoader):
+    pass
+
+
+_AnsibleLoader.add_constructor("!unsafe", lambda loader, node: loader.construct_scalar(node))  # type: ignore[arg-type]
+
+
+def load_ansible_yaml(text: str) -> Any:
+    """Read YAML written by :func:`ansible_yaml` back (``!unsafe`` strings as plain strings)."""
+    return yaml.load(text, Loader=_AnsibleLoader)
