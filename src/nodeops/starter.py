@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import shlex
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 from nodeops import launchers
 from nodeops.jobs import last_line, ssh_argv
+from nodeops.quoting import sh_expand, sh_word
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec
 
@@ -39,9 +39,9 @@ class RunFile:
 
 
 def shell_quote(value: object) -> str:
-    """shlex.quote, with @@HOME@@ turned into "$HOME" (expanded by the remote shell)."""
+    """nodeops.quoting.sh_word, with @@HOME@@ turned into "$HOME" (expanded by the remote shell)."""
     parts = str(value).split(HOME)
-    return '"$HOME"'.join(shlex.quote(p) if p else "" for p in parts) or "''"
+    return '"$HOME"'.join(sh_word(p) if p else "" for p in parts) or "''"
 
 
 def _jinja() -> Any:
@@ -50,7 +50,16 @@ def _jinja() -> Any:
     env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
                              keep_trailing_newline=True)  # fmt: skip
     env.filters["quote"] = shell_quote
+    env.filters["expand"] = sh_expand
     return env
+
+
+def render_job(**kw: Any) -> str:
+    """job.sh from its template with the production filters (what both transports ship)."""
+    kw = {"run_id": "", "host": "", "node_rank": 0, "runner": "torchrun", "env_file": "", "activate": "",
+          "env": {}, "shared_envs": {}, "secret_names": [], **kw}  # fmt: skip
+    tpl = (data_dir("templates") / "launch" / "job.sh.j2").read_text()
+    return str(_jinja().from_string(tpl).render(**kw))
 
 
 def run_dir(run_id: str) -> str:
@@ -83,7 +92,7 @@ def host_files(
         if runner == "mpirun":
             files.append(RunFile("mpi_shim.sh", launchers.MPI_SHIM, "0755"))
         if h.argv:
-            env = {**h.env, **spec.group(node).shared_envs, "NODEOPS_RUN_DIR": rdir}
+            env = {**h.env, "NODEOPS_RUN_DIR": rdir}
             if runner == "torchrun":
                 env.update({"PET_LOG_DIR": f"{rdir}/ranks", "PET_TEE": "3",
                             "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"})  # fmt: skip
@@ -91,7 +100,8 @@ def host_files(
             files.append(RunFile("job.sh", tpl(
                 "job.sh.j2", host=h.host, node_rank=h.node_rank, runner=runner, workdir=workdir,
                 env_file=f"{HOME}/.nodeops/{loaded.cluster_name}/env.sh", activate=activation(spec, node),
-                env=env, argv=h.argv,
+                env=env, shared_envs=dict(spec.group(node).shared_envs), argv=h.argv,
+                secret_names=[k for k, v in spec.env.items() if v.secret],
             ), "0700"))  # fmt: skip
         watcher = h.host == chief and len(watch["hosts"]) > 1 and runner != "mpirun"
         if watcher:
@@ -110,8 +120,8 @@ def bundle(run_id: str, files: list[RunFile]) -> str:
              'cd "$d"']  # fmt: skip
     for f in files:
         b64 = base64.b64encode(f.content.encode()).decode()
-        lines.append(f"printf '%s' '{b64}' | base64 -d > {shlex.quote(f.name)}")
-        lines.append(f"chmod {f.mode} {shlex.quote(f.name)}")
+        lines.append(f"printf '%s' '{b64}' | base64 -d > {sh_word(f.name)}")
+        lines.append(f"chmod {f.mode} {sh_word(f.name)}")
     lines.append("exec bash start.sh")
     return "\n".join(lines) + "\n"
 

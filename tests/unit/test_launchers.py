@@ -6,14 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
-import jinja2
-from ansible.plugins.filter.core import quote as ansible_quote
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeops import launchers
-from nodeops.resources import data_dir
+from nodeops import launchers, starter
 from nodeops.spec import load_spec_text
 
 SPEC = """
@@ -97,13 +95,9 @@ def test_mpi_shim_maps_ranks(tmp_path: Path) -> None:
     assert out.split() == ["3", "4", "1", "2"]
 
 
-def render_job(argv: list[str], env: dict[str, str], workdir: str) -> str:
-    """The real template, rendered with Ansible's own `quote` filter (what the playbook uses)."""
-    j = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False)
-    j.filters["quote"] = ansible_quote
-    tpl = j.from_string((data_dir("templates") / "launch" / "job.sh.j2").read_text())
-    return tpl.render(run_id="r", host="h", node_rank=0, workdir=workdir, env_file="", activate="", env=env,
-                      argv=argv)  # fmt: skip
+def render_job(argv: list[str], env: dict[str, str], workdir: str, **kw: Any) -> str:
+    """The real template, rendered by starter with the production quoting (what both transports ship)."""
+    return starter.render_job(run_id="r", host="h", workdir=workdir, env=env, argv=argv, **kw)
 
 
 ARGS = st.lists(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=40),
@@ -127,3 +121,32 @@ def test_tricky_arguments_explicitly() -> None:
                        capture_output=True, text=True, check=True)  # fmt: skip
     assert json.loads(p.stdout) == args
     assert not Path("/tmp/pwned").exists()
+
+
+def test_shared_envs_expand_once_against_the_login_env_and_secrets_skip_deepspeed(tmp_path: Path) -> None:
+    """AutoDist's example arrives expanded (once, even though env.sh also sets it), command
+    substitution never runs, and under DeepSpeed's runner no secret is left in the environment."""
+    env_sh = tmp_path / "env.sh"
+    env_sh.write_text(
+        'export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:/usr/local/cuda/lib64"\nexport MLFLOW_TRACKING_PASSWORD=s3cr3t\n'
+    )
+    names = ("LD_LIBRARY_PATH", "A", "MLFLOW_TRACKING_PASSWORD")
+    probe = f"import json, os; print(json.dumps([os.environ.get(k) for k in {names!r}]))"
+    shared = {"LD_LIBRARY_PATH": "$LD_LIBRARY_PATH:/usr/local/cuda/lib64", "A": "${HOME}/x $(touch /tmp/pwned-se)"}
+    for runner, secret in (("torchrun", "s3cr3t"), ("deepspeed", None)):
+        script = render_job([sys.executable, "-c", probe], {"NODEOPS_RUN_ID": "r", "NODEOPS_RUN_DIR": str(tmp_path)},
+                            str(tmp_path), env_file=str(env_sh), shared_envs=shared, runner=runner,
+                            secret_names=["MLFLOW_TRACKING_PASSWORD"])  # fmt: skip
+        p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
+                           env={"PATH": "/usr/bin:/bin", "HOME": "/home/u", "LD_LIBRARY_PATH": "/base"})  # fmt: skip
+        assert json.loads(p.stdout.splitlines()[-1]) == [
+            "/base:/usr/local/cuda/lib64", "/home/u/x $(touch /tmp/pwned-se)", secret
+        ], runner  # fmt: skip
+    assert not Path("/tmp/pwned-se").exists()
+
+
+def test_a_workdir_with_command_substitution_never_runs_it(tmp_path: Path) -> None:
+    p = subprocess.run(["bash", "-c", render_job(["true"], {}, f"{tmp_path}/$(touch {tmp_path}/ran)x")],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    assert p.returncode == 97 and "cannot cd to" in p.stderr
+    assert not (tmp_path / "ran").exists()
