@@ -9,7 +9,6 @@ one host fails (or on Ctrl-C/SIGTERM) runs ``kill.sh`` on every host at once.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import queue
 import re
@@ -71,6 +70,7 @@ class JobResult:
     root_cause: HostState | None
     interrupted: bool
     teardown_seconds: float | None
+    teardown_problems: dict[str, str] = field(default_factory=dict)  # host -> why it may not be clean
 
     @property
     def exit_code(self) -> int:
@@ -79,6 +79,9 @@ class JobResult:
         if self.root_cause is not None:
             return failure_code(self.root_cause) or 1
         return 0
+
+    def __post_init__(self) -> None:
+        self.teardown_problems = {h: why for h, why in self.teardown_problems.items() if why}
 
 
 def ssh_argv(ssh_config: Path, host: str, *command: str) -> list[str]:
@@ -133,7 +136,8 @@ def find(run_id: str | None) -> Job:
 
 
 def host_states(job: Job) -> dict[str, str]:
-    """Each host's state: running, exited CODE, killed, or unreachable (with ssh's reason)."""
+    """Each host's state: running, exited CODE, killed, idle (no job here and none of the run's
+    processes), or unreachable (with ssh's reason)."""
 
     def one(host: str) -> str:
         try:
@@ -145,8 +149,9 @@ def host_states(job: Job) -> dict[str, str]:
             return "unreachable: " + last_line(p.stderr, "ssh failed")
         return p.stdout.strip()
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(job.hosts))) as pool:
-        return dict(zip(job.hosts, pool.map(one, job.hosts), strict=True))
+    hosts = job.kill_hosts  # every host of the run: mpirun/deepspeed ranks run where no job.sh is
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        return dict(zip(hosts, pool.map(one, hosts), strict=True))
 
 
 def read_logs(job: Job) -> dict[str, list[str]]:
@@ -159,17 +164,28 @@ def read_logs(job: Job) -> dict[str, list[str]]:
         return dict(zip(job.hosts, pool.map(one, job.hosts), strict=True))
 
 
-def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> None:
-    """Run kill.sh on every host in parallel (SIGTERM the group, then SIGKILL what is left)."""
+def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, str]:
+    """Run kill.sh on every host in parallel (SIGTERM the group, then SIGKILL what is left).
+
+    Returns host -> "" when kill.sh confirmed that nothing of the run is left there, else why
+    not (unreachable, with ssh's reason; or how many processes survived)."""
     script = f"{remote_dir(run_id)}/kill.sh"
 
-    def kill(host: str) -> None:
-        # An unreachable host times out: nothing more can be done from here.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            subprocess.run(ssh_argv(ssh_config, host, "bash", script), capture_output=True, timeout=30, check=False)
+    def kill(host: str) -> str:
+        try:
+            p = subprocess.run(ssh_argv(ssh_config, host, "bash", script), capture_output=True, text=True,
+                               timeout=30, check=False, start_new_session=True)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return "unreachable: kill.sh did not answer within 30s"
+        if "@@nodeops-stopped" in p.stdout:
+            return ""
+        left = re.search(r"@@nodeops-left (\d+)", p.stdout)
+        if left:
+            return f"{left.group(1)} process(es) of the run survived SIGKILL"
+        return "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-        list(pool.map(kill, hosts))
+        return dict(zip(hosts, pool.map(kill, hosts), strict=True))
 
 
 def follow(
@@ -179,13 +195,15 @@ def follow(
     emit: Callable[[str, str], None],
     *,
     stop_on_failure: bool = True,
+    stop_on_interrupt: bool = True,
     kill_hosts: Sequence[str] = (),
     addresses: dict[str, str] | None = None,
     agent_failure_is_final: bool = False,
 ) -> JobResult:
     """Stream every host's log until all jobs end; fail fast across hosts.
 
-    ``agent_failure_is_final`` (torchrun with no restarts): torchrun's "failed (exitcode: N)"
+    ``stop_on_interrupt=False`` (``nodeops logs -f``): Ctrl-C or SIGTERM only stops reading;
+    the run goes on. ``agent_failure_is_final`` (torchrun with no restarts): torchrun's "failed (exitcode: N)"
     line about a worker starts the teardown at once, without waiting the second or two torchrun
     takes to shut down and exit. ``kill_hosts``: where teardown runs (default: ``hosts``);
     mpirun and deepspeed start ranks on hosts that are not followed. ``addresses``: address ->
@@ -201,8 +219,9 @@ def follow(
     script = f"{remote_dir(run_id)}/follow.sh"
 
     def reader(host: str) -> None:
+        # Its own session: a Ctrl-C in the terminal reaches nodeops, which decides; not the ssh.
         p = subprocess.Popen(ssh_argv(ssh_config, host, "bash", script), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, errors="replace")  # fmt: skip
+                             stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)  # fmt: skip
         procs[host] = p
         assert p.stdout is not None and p.stderr is not None
         for line in p.stdout:
@@ -217,6 +236,7 @@ def follow(
     for t in threads:
         t.start()
     root: HostState | None = None
+    teardown_result: dict[str, str] = {}
     torn_down_at: float | None = None
     failed_at: float | None = None
     interrupted = False
@@ -231,7 +251,7 @@ def follow(
         nonlocal failed_at, torn_down_at
         failed_at = time.monotonic()
         if stop_on_failure:
-            teardown(ssh_config, [h for h in kill_hosts if h != spare], run_id)
+            teardown_result.update(teardown(ssh_config, [h for h in kill_hosts if h != spare], run_id))
             torn_down_at = time.monotonic()
 
     if threading.current_thread() is threading.main_thread():
@@ -279,8 +299,12 @@ def follow(
     except KeyboardInterrupt:
         interrupted = True
         failed_at = time.monotonic()
-        teardown(ssh_config, kill_hosts, run_id)
-        torn_down_at = time.monotonic()
+        if stop_on_interrupt:
+            teardown_result = teardown(ssh_config, kill_hosts, run_id)
+            torn_down_at = time.monotonic()
+        else:
+            for p in procs.values():  # stop reading; the run goes on
+                p.terminate()
         for p in procs.values():
             try:
                 p.wait(timeout=15)
@@ -293,7 +317,7 @@ def follow(
     if not interrupted:
         blame_peers(states, remote_tails, addresses or {})
         root = root_cause(list(states.values()))
-    return JobResult(run_id, states, root, interrupted, teardown_s)
+    return JobResult(run_id, states, root, interrupted, teardown_s, teardown_result)
 
 
 _BLAMED_PEER = re.compile(r"by peer \[([0-9A-Fa-f.:]+)\]")

@@ -75,7 +75,7 @@ def status(run_id: RunArg = None) -> None:
         states = jobs.host_states(job)
         for host, state in states.items():
             typer.echo(f"{host:12} {state}")
-        bad = [h for h, s in states.items() if s not in ("running", "exited 0")]
+        bad = [h for h, s in states.items() if not (s.startswith("running") or s in ("exited 0", "idle"))]
         if bad:
             err(f"run {job.run_id}: not ok on {', '.join(bad)}")
             raise typer.Exit(EXIT_FAILURE)
@@ -94,7 +94,9 @@ def logs(
         emit = emitter(job.rank_hosts, job.pdsh_hosts)
         if follow:
             res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit, stop_on_failure=False,
-                              kill_hosts=job.kill_hosts)  # fmt: skip
+                              stop_on_interrupt=False, kill_hosts=job.kill_hosts)  # fmt: skip
+            if res.interrupted:
+                err(f"==> stopped following; run {job.run_id} goes on (nodeops stop {job.run_id} stops it)")
             raise typer.Exit(res.exit_code)
         for host, lines in jobs.read_logs(job).items():
             for line in lines:
@@ -108,12 +110,12 @@ def stop(run_id: RunArg = None) -> None:
 
     with errors():
         job = jobs.find(run_id)
-        jobs.teardown(job.ssh_config, job.kill_hosts, job.run_id)
+        problems = {h: why for h, why in jobs.teardown(job.ssh_config, job.kill_hosts, job.run_id).items() if why}
         states = jobs.host_states(job)
         for host, state in states.items():
-            typer.echo(f"{host:12} {state}")
-        left = [h for h, s in states.items() if s == "running"]
-        if left:
-            err(f"still running on {', '.join(left)}")
+            typer.echo(f"{host:12} {state}" + (f"  ({problems[host]})" if host in problems else ""))
+        left = [h for h, s in states.items() if s.startswith("running")]
+        if left or problems:
+            err(f"run {job.run_id}: not confirmed stopped on {', '.join(dict.fromkeys([*left, *problems]))}")
             raise typer.Exit(EXIT_FAILURE)
-        err(f"run {job.run_id} stopped on {len(states)} host(s)")
+        err(f"run {job.run_id} stopped on {len(states)} host(s); nothing of it is left running")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import enum
 import json
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from typer.core import TyperCommand
 
 from nodeops.cli.app import CONTEXT, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
@@ -16,10 +21,46 @@ if TYPE_CHECKING:
     from nodeops.spec import LoadedSpec, ResourceSpec
 
 
+class Via(enum.StrEnum):
+    ssh = "ssh"
+    ansible = "ansible"
+
+
+class ScriptCommand(TyperCommand):
+    """torchrun's and deepspeed's convention: options before the training script are nodeops',
+    the script and everything after it are the script's; `--` before the script is optional.
+    An unknown option before the script is an error (exit 2), never passed on silently."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        # typer vendors its own click: look at the params' kind, not at a click class
+        takes_value = {o for p in self.params if p.param_type_name == "option" and not getattr(p, "is_flag", False)
+                       for o in p.opts}  # fmt: skip
+        head, tail = list(args), []
+        positionals, i = 0, 0
+        while i < len(args):
+            a = args[i]
+            if a == "--":
+                head, tail = args[:i], args[i + 1 :]
+                break
+            if a.startswith("-") and a != "-":
+                i += 2 if a in takes_value else 1
+                continue
+            positionals += 1
+            if positionals == 2:  # SPEC, then the script
+                head, tail = args[:i], args[i:]
+                break
+            i += 1
+        rest = super().parse_args(ctx, head)
+        ctx.args = [*rest, *tail]
+        return list(ctx.args)
+
+
 @app.command(
-    context_settings={**CONTEXT, "allow_extra_args": True, "ignore_unknown_options": True},
+    cls=ScriptCommand,
+    context_settings={**CONTEXT, "allow_extra_args": True},
     epilog=(
-        "Examples:\n\n    nodeops launch cluster.yaml -- train.py --lr 1e-3\n\n"
+        "Examples:\n\n    nodeops launch cluster.yaml train.py --lr 1e-3\n\n"
+        "    nodeops launch --detach cluster.yaml -- train.py --lr 1e-3   # `--` is optional\n\n"
         "    nodeops launch cluster.yaml --script run.sh -- --epochs 2   # run.sh calls $NODEOPS_RUNNER train.py"
     ),
 )
@@ -33,8 +74,8 @@ def launch(
         bool, typer.Option("--detach", help="Return once every host has started; see `nodeops status/logs/stop`.")
     ] = False,
     via: Annotated[
-        str, typer.Option(help="How to start the jobs: `ssh` (one ssh per host, like pdsh) or `ansible` (launch.yml).")
-    ] = "ssh",
+        Via, typer.Option(help="How to start the jobs: one ssh per host (like pdsh), or the launch.yml playbook.")
+    ] = Via.ssh,
     no_check: Annotated[
         bool, typer.Option("--no-check", help="Skip the preflight (ssh from the chief, ports, version parity).")
     ] = False,
@@ -44,8 +85,8 @@ def launch(
     Every line of every rank is streamed live as `host [rankN]: ...`. If any rank fails, every
     rank on every host is stopped (SIGTERM to the job's process group, then SIGKILL to whatever
     still carries the run's id) and the exit code is the failing rank's; the first failing
-    host is named with its last lines. Ctrl-C stops everything and exits 130. Arguments after
-    `--` reach the script literally.
+    host is named with its last lines. Ctrl-C stops everything and exits 130. Options before
+    the script are nodeops'; the script and every argument after it reach the script literally.
     """
     from nodeops import jobs, launchers, starter
     from nodeops.cli.jobs_cmds import emitter
@@ -57,8 +98,6 @@ def launch(
     if user_argv[:1] == ["--"]:
         user_argv = user_argv[1:]
     with errors():
-        if via not in ("ssh", "ansible"):
-            fail(f"error: --via {via}: use ssh or ansible", EXIT_SPEC)
         loaded = load_spec(spec)
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script after `--`, e.g. -- train.py", EXIT_SPEC)
@@ -89,21 +128,28 @@ def launch(
             "all_hosts": [h.host for h in plan],
             "pdsh_hosts": pdsh_hosts,
         }, indent=2))  # fmt: skip
-        err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via})")
+        err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
         t0 = time.monotonic()
         watch = {"run_id": run_id, "hosts": watch_hosts(s, started), "pdsh": s.launch.runner == "deepspeed"}
         files = starter.host_files(loaded, plan, run_id, watch)
-        if via == "ssh":
-            bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
-        else:
-            extravars = {"nodeops_run_id": run_id, **starter.ansible_vars(files)}
-            result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
-            bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values() if hr.status != "ok"}
+        try:
+            with sigterm_as_interrupt():
+                if via == "ssh":
+                    bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
+                else:
+                    extravars = {"nodeops_run_id": run_id, **starter.ansible_vars(files)}
+                    result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
+                    bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values()
+                           if hr.status != "ok"}  # fmt: skip
+        except KeyboardInterrupt:
+            # Every start has returned (the pool waits for them): stop what did start, everywhere.
+            left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
+            fail(f"==> run {run_id} interrupted while starting; {teardown_summary(left)}", 130)
         if bad:
             for host, why in bad.items():
                 err(f"{host}: {why}")
-            jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
-            fail(f"launch failed on {', '.join(bad)}; nothing is left running", EXIT_FAILURE)
+            left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
+            fail(f"launch failed on {', '.join(bad)}; {teardown_summary(left)}", EXIT_FAILURE)
         if detach:
             err(f"==> started in {time.monotonic() - t0:.1f}s; detached")
             err(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
@@ -118,7 +164,7 @@ def launch(
             h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()
         }))  # fmt: skip
         if res.interrupted:
-            fail(f"==> run {run_id} interrupted; every rank on every host was stopped", res.exit_code)
+            fail(f"==> run {run_id} interrupted; {teardown_summary(res.teardown_problems)}", res.exit_code)
         if res.root_cause is not None:
             rc = res.root_cause
             code = jobs.failure_code(rc)
@@ -127,9 +173,32 @@ def launch(
             for line in rc.tail:
                 err(f"    {rc.host} {line}")
             if res.teardown_seconds is not None:
-                err(f"==> stopped every other rank in {res.teardown_seconds:.1f}s")
+                done = teardown_summary(res.teardown_problems)
+                err(f"==> stopped every other rank in {res.teardown_seconds:.1f}s; {done}")
             raise typer.Exit(res.exit_code)
         err(f"==> run {run_id} finished: every host exited 0")
+
+
+def teardown_summary(problems: dict[str, str]) -> str:
+    """What a teardown achieved, from kill.sh's own confirmations (never assumed)."""
+    bad = {h: why for h, why in problems.items() if why}
+    if not bad:
+        return "nothing of the run is left running"
+    return "NOT confirmed clean on " + "; ".join(f"{h} ({why})" for h, why in bad.items())
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C (KeyboardInterrupt) inside the block."""
+
+    def on_term(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def forwarded_env(spec: ResourceSpec) -> list[str]:
