@@ -9,6 +9,7 @@ one host fails (or on Ctrl-C/SIGTERM) runs ``kill.sh`` on every host at once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import queue
 import re
@@ -21,11 +22,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nodeops.errors import NodeopsError
+from nodeops.launch import protocol as P
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
-EXIT_MARK = "@@nodeops-exit "
 TAIL_LINES = 40  # torchrun's failure summary alone is ~20 lines; keep the rank's last words too
 
 
@@ -51,7 +53,7 @@ def jobs_dir() -> Path:
 
 
 def remote_dir(run_id: str) -> str:
-    return f".nodeops/runs/{check_run_id(run_id)}"  # relative to the login user's home
+    return P.run_dir(check_run_id(run_id))  # relative to the login user's home
 
 
 @dataclass
@@ -71,6 +73,7 @@ class JobResult:
     interrupted: bool
     teardown_seconds: float | None
     teardown_problems: dict[str, str] = field(default_factory=dict)  # host -> why it may not be clean
+    supervisor: dict[str, Any] | None = None  # the chief supervisor's result.json
 
     @property
     def exit_code(self) -> int:
@@ -98,13 +101,17 @@ def last_line(text: str, default: str) -> str:
 
 @dataclass(frozen=True)
 class Job:
-    """A launched run as recorded on the controller (``~/.nodeops/jobs/<run id>/``)."""
+    """The run record on the controller (``~/.nodeops/jobs/<run id>/job.json``), written by
+    ``launch`` and read by ``status``/``logs``/``stop``; one typed record, saved and loaded here."""
 
     run_id: str
     dir: Path
-    hosts: list[str]
+    hosts: list[str]  # hosts that run a job.sh (their logs are followed)
     argv: list[str]
     runner: str
+    chief: str = ""  # where the supervisor runs
+    spec: str = ""
+    started: float = 0.0
     rank_hosts: list[str] = field(default_factory=list)  # mpirun: the host of each global rank
     all_hosts: list[str] = field(default_factory=list)  # every host of the spec: where stop/teardown run
     pdsh_hosts: dict[str, str] = field(default_factory=dict)  # deepspeed: pdsh's address prefix -> host
@@ -117,9 +124,17 @@ class Job:
     def ssh_config(self) -> Path:
         return self.dir / "ssh_config"
 
+    def save(self) -> None:
+        import dataclasses
+        import json
+
+        record = {k: v for k, v in dataclasses.asdict(self).items() if k != "dir"}
+        (self.dir / "job.json").write_text(json.dumps(record, indent=2))
+
 
 def find(run_id: str | None) -> Job:
     """The job with this run id, or the latest one when run_id is None."""
+    import dataclasses
     import json
 
     if run_id is None:
@@ -131,8 +146,9 @@ def find(run_id: str | None) -> Job:
     if not (d / "job.json").is_file():
         raise JobError(f"no job {run_id} in {jobs_dir()}")
     meta = json.loads((d / "job.json").read_text())
-    return Job(run_id, d, meta["hosts"], meta["argv"], meta["runner"], meta.get("rank_hosts", []),
-               meta.get("all_hosts", []), meta.get("pdsh_hosts", {}))  # fmt: skip
+    known = {f.name for f in dataclasses.fields(Job)} - {"dir"}
+    job = Job(dir=d, **{k: v for k, v in meta.items() if k in known})
+    return job if job.chief else dataclasses.replace(job, chief=(job.all_hosts or job.hosts)[0])
 
 
 def host_states(job: Job) -> dict[str, str]:
@@ -177,9 +193,9 @@ def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, s
                                timeout=30, check=False, start_new_session=True)  # fmt: skip
         except subprocess.TimeoutExpired:
             return "unreachable: kill.sh did not answer within 30s"
-        if "@@nodeops-stopped" in p.stdout:
+        if P.STOPPED in p.stdout:
             return ""
-        left = re.search(r"@@nodeops-left (\d+)", p.stdout)
+        left = re.search(re.escape(P.LEFT) + r"(\d+)", p.stdout)
         if left:
             return f"{left.group(1)} process(es) of the run survived SIGKILL"
         return "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
@@ -188,32 +204,73 @@ def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, s
         return dict(zip(hosts, pool.map(kill, hosts), strict=True))
 
 
+def describe(result: dict[str, Any]) -> str:
+    """The supervisor's verdict in one line."""
+    first = result.get("first_failure")
+    if result.get("outcome") == "failed" and first:
+        took = result.get("teardown_seconds")
+        return (f"failed: first failure on {first['host']} ({first.get('why', '')}); every other host stopped"
+                + (f" in {took:.1f}s" if took is not None else ""))  # fmt: skip
+    return {"ok": "finished: every job exited 0", "stopped": "stopped on request"}.get(
+        str(result.get("outcome")), f"supervisor: {result.get('outcome')} {result.get('error', '')}".strip()
+    )
+
+
+def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
+    """Ask the chief's supervisor to stop the run (it stops every host and writes its result)."""
+    try:
+        p = subprocess.run(ssh_argv(ssh_config, chief, "touch", f"{remote_dir(run_id)}/{P.STOP_REQUEST}"),
+                           capture_output=True, timeout=20, check=False, start_new_session=True)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    return p.returncode == 0
+
+
+def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESULT_WAIT) -> dict[str, Any] | None:
+    """The supervisor's result.json from the chief, waiting up to ``wait`` seconds for it."""
+    import json
+
+    deadline = time.monotonic() + wait
+    f = f"{remote_dir(run_id)}/{P.RESULT}"
+    script = f"for _ in $(seq 1 {int(wait * 5)}); do [ -e {f} ] && exec cat {f}; sleep 0.2; done"
+    while True:
+        try:
+            p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True,
+                               timeout=wait + 15, check=False, start_new_session=True)  # fmt: skip
+            if p.returncode == 0 and p.stdout.strip():
+                return dict(json.loads(p.stdout))
+        except (subprocess.TimeoutExpired, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.5)
+
+
 def follow(
     ssh_config: Path,
     hosts: Sequence[str],
     run_id: str,
     emit: Callable[[str, str], None],
     *,
-    stop_on_failure: bool = True,
+    chief: str,
     stop_on_interrupt: bool = True,
     kill_hosts: Sequence[str] = (),
     addresses: dict[str, str] | None = None,
-    agent_failure_is_final: bool = False,
+    rank_hosts: Sequence[str] = (),
 ) -> JobResult:
-    """Stream every host's log until all jobs end; fail fast across hosts.
+    """Stream every host's log until all jobs end, then read the supervisor's verdict.
 
-    ``stop_on_interrupt=False`` (``nodeops logs -f``): Ctrl-C or SIGTERM only stops reading;
-    the run goes on. ``agent_failure_is_final`` (torchrun with no restarts): torchrun's "failed (exitcode: N)"
-    line about a worker starts the teardown at once, without waiting the second or two torchrun
-    takes to shut down and exit. ``kill_hosts``: where teardown runs (default: ``hosts``);
-    mpirun and deepspeed start ranks on hosts that are not followed. ``addresses``: address ->
-    host, to name the host in pdsh's "ssh exited with exit code N" report (DeepSpeed's
-    runner): that report is a failure too, so a dead node's peers are not left training
-    (DeepSpeed issue #5005).
+    This only reads: fail-fast is the chief's supervisor's decision, for attached and detached
+    runs alike. On Ctrl-C or SIGTERM with ``stop_on_interrupt`` (``nodeops launch``), it asks
+    the supervisor to stop the run and waits for every host to end; only when the chief cannot
+    be reached (or nothing ends within 20 s) does it run kill on every host itself. Without it
+    (``nodeops logs -f``) Ctrl-C only stops reading. ``addresses``: address -> host, to name the
+    host in pdsh's lines (DeepSpeed's runner); ``rank_hosts``: mpirun's rank -> host.
     """
     states = {h: HostState(h) for h in hosts}
     kill_hosts = list(kill_hosts) or list(hosts)
     remote_tails: dict[str, deque[str]] = {}  # pdsh: each node's own lines, by address
+    rank_tails: dict[int, deque[str]] = {}  # mpirun: each rank's own lines
     events: queue.Queue[tuple[str, str | None]] = queue.Queue()
     procs: dict[str, subprocess.Popen[str]] = {}
     script = f"{remote_dir(run_id)}/follow.sh"
@@ -232,34 +289,20 @@ def follow(
             events.put((host, f"@@nodeops-lost ssh exited {rc}: {err[-1] if err else ''}"))
         events.put((host, None))
 
-    threads = [threading.Thread(target=reader, args=(h,), daemon=True) for h in hosts]
-    for t in threads:
-        t.start()
-    root: HostState | None = None
-    teardown_result: dict[str, str] = {}
-    torn_down_at: float | None = None
-    failed_at: float | None = None
+    for h in hosts:
+        threading.Thread(target=reader, args=(h,), daemon=True).start()
     interrupted = False
+    teardown_result: dict[str, str] = {}
     done: set[str] = set()
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
-    def fail_fast(spare: str) -> None:
-        """The first failure: stop every host but `spare` (whose job is ending by itself)."""
-        nonlocal failed_at, torn_down_at
-        failed_at = time.monotonic()
-        if stop_on_failure:
-            teardown_result.update(teardown(ssh_config, [h for h in kill_hosts if h != spare], run_id))
-            torn_down_at = time.monotonic()
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        while len(done) < len(hosts):
+    def pump(until: float | None = None) -> None:
+        while len(done) < len(hosts) and (until is None or time.monotonic() < until):
             try:
-                host, line = events.get(timeout=0.5)
+                host, line = events.get(timeout=0.2)
             except queue.Empty:
                 continue
             st = states[host]
@@ -270,42 +313,37 @@ def follow(
                     st.lost_reason = st.lost_reason or "connection to the host was lost"
             elif line.startswith("@@nodeops-lost "):
                 st.lost_reason = line.removeprefix("@@nodeops-lost ")
-            elif line.startswith(EXIT_MARK):
-                value = line.removeprefix(EXIT_MARK).strip()
+            elif line.startswith(P.EXIT_MARK):
+                value = line.removeprefix(P.EXIT_MARK).strip()
                 st.exit_code = int(value) if value.lstrip("-").isdigit() else -1
                 st.ended_at = time.monotonic()
                 if st.exit_code == -1:
-                    st.lost_reason = "the job was killed"
+                    st.lost_reason = "the job was stopped" if value == "killed" else f"the job {value}"
             else:
                 st.tail.append(line)
                 emit(host, line)
                 prefixed = pdsh_split(line, addresses or {})
                 if prefixed is not None:
                     remote_tails.setdefault(prefixed[0], deque(maxlen=TAIL_LINES)).append(prefixed[1])
-                if agent_failure_is_final and failed_at is None and stop_on_failure and _AGENT_FAILED.search(line):
-                    fail_fast(host)
-                    continue
-                remote = pdsh_failure(line, addresses or {})
-                if remote is None:
-                    continue
-                name, code = remote
-                st = states.setdefault(name, HostState(name))
-                st.exit_code, st.ended_at = code, time.monotonic()
-                st.tail.extend(remote_tails.get(_address_of(name, addresses), []))
-                host = name
-            failed = st.exit_code not in (0, None)
-            if failed and failed_at is None:
-                fail_fast(host)
+                for rank, text in mpi_pieces(line) if rank_hosts else ():
+                    rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        pump()
     except KeyboardInterrupt:
         interrupted = True
-        failed_at = time.monotonic()
         if stop_on_interrupt:
+            # The supervisor stops every host (its guards' connections are already open); then
+            # kill on every host confirms that nothing is left, and does the job itself when the
+            # chief could not be asked or nothing ended within 20 s.
+            asked = request_stop(ssh_config, chief, run_id)
+            with contextlib.suppress(KeyboardInterrupt):
+                pump(until=time.monotonic() + (20 if asked else 0))
             teardown_result = teardown(ssh_config, kill_hosts, run_id)
-            torn_down_at = time.monotonic()
-        else:
-            for p in procs.values():  # stop reading; the run goes on
-                p.terminate()
         for p in procs.values():
+            p.terminate()
             try:
                 p.wait(timeout=15)
             except subprocess.TimeoutExpired:
@@ -313,11 +351,52 @@ def follow(
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
-    teardown_s = (torn_down_at - failed_at) if (torn_down_at and failed_at) else None
+    result = None if (interrupted and not stop_on_interrupt) else fetch_result(ssh_config, chief, run_id)
+    root: HostState | None = None
     if not interrupted:
         blame_peers(states, remote_tails, addresses or {})
         root = root_cause(list(states.values()))
-    return JobResult(run_id, states, root, interrupted, teardown_s, teardown_result)
+        root = blame_mpi_rank(root, rank_tails, rank_hosts) if root is not None else None
+        first = (result or {}).get("first_failure")
+        if root is None and first:  # the supervisor saw what the logs did not (a lost host, say)
+            root = states.setdefault(first["host"], HostState(first["host"]))
+            root.exit_code = first.get("code") or -1
+            root.lost_reason = root.lost_reason or first.get("why", "")
+    teardown_s = (result or {}).get("teardown_seconds")
+    if result is not None and not teardown_result:
+        teardown_result = {h: ("" if v.get("left") in (0, None) and v.get("ended") != "lost"
+                               else f"{v.get('ended')}: {v.get('lost') or 'not confirmed'}")
+                           for h, v in result.get("hosts", {}).items()}  # fmt: skip
+    elif result is None and not (interrupted and not stop_on_interrupt):
+        teardown_result = {"supervisor": "no result from the chief's supervisor"}
+    return JobResult(run_id, states, root, interrupted, teardown_s, teardown_result, result)
+
+
+_MPI_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
+_MPI_FIRST = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
+_MPI_EXIT = re.compile(r"Exit code:\s+(-?\d+)")
+
+
+def mpi_pieces(line: str) -> list[tuple[int, str]]:
+    """Open MPI's --tag-output pieces of one physical line: (rank, text)."""
+    parts = _MPI_TAG.split(line)
+    return [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
+
+
+def blame_mpi_rank(root: HostState, rank_tails: dict[int, deque[str]], rank_hosts: Sequence[str]) -> HostState:
+    """mpirun reports the first rank that failed ("Process name: [[job,1],R]", "Exit code: N"):
+    name that rank's own host, with that rank's own lines, instead of mpirun's host."""
+    text = "\n".join(root.tail)
+    m, code = _MPI_FIRST.search(text), _MPI_EXIT.search(text)
+    if not m or not rank_hosts:
+        return root
+    rank = int(m.group(1))
+    host = rank_hosts[rank] if rank < len(rank_hosts) else root.host
+    st = HostState(f"{host} [rank{rank}]")
+    st.exit_code = int(code.group(1)) if code else root.exit_code
+    st.tail.extend(rank_tails.get(rank, []))
+    st.ended_at = root.ended_at
+    return st
 
 
 _BLAMED_PEER = re.compile(r"by peer \[([0-9A-Fa-f.:]+)\]")
@@ -343,11 +422,6 @@ def blame_peers(states: dict[str, HostState], remote_tails: dict[str, deque[str]
             b.ended_at = st.ended_at
 
 
-# torchrun's agent, the moment it sees a worker fail (before its own shutdown and exit).
-_AGENT_FAILED = re.compile(r"failed \(exitcode: (?:[1-9]\d*|-\d+)\) local_rank: \d+")
-_PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
-
-
 def pdsh_split(line: str, addresses: dict[str, str]) -> tuple[str, str] | None:
     """pdsh prefixes each node's lines with `ADDRESS: `: (address, rest), or None."""
     addr, sep, rest = line.partition(": ")
@@ -356,7 +430,7 @@ def pdsh_split(line: str, addresses: dict[str, str]) -> tuple[str, str] | None:
 
 def pdsh_failure(line: str, addresses: dict[str, str]) -> tuple[str, int] | None:
     """pdsh's report of a node whose command failed: (host, exit code), or None."""
-    m = _PDSH_EXIT.match(line)
+    m = P.PDSH_EXIT.match(line)
     if not m or m.group(2) == "0":
         return None
     return addresses.get(m.group(1), m.group(1)), int(m.group(2))

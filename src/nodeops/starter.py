@@ -1,7 +1,8 @@
 """Start a launch plan on the hosts: render every host's run-dir files, ship them, start the job.
 
-The files (``job.sh``, ``follow.sh``, ``kill.sh``, ``status.sh``, ``wait.sh``, ``start.sh``, the
-MPI shim, and on the chief the watcher) are rendered here from ``templates/launch/`` and then
+The files (``job.sh``, ``follow.sh``, ``kill.sh``, ``status.sh``, ``start.sh``, the MPI shim, the
+agent and the protocol it shares, and on the chief the supervisor with its ``run.json``) are
+rendered here from ``templates/launch/`` and ``nodeops/launch/`` and then
 carried by one of two transports that end the same way, by running ``start.sh`` on the host:
 
 - ``ssh`` (default): one ssh per host, in parallel, piping a small bash bundle (pdsh's cost);
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import json
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +25,14 @@ from typing import Any
 
 from nodeops import launchers
 from nodeops.jobs import last_line, ssh_argv
+from nodeops.launch import protocol as P
 from nodeops.quoting import sh_expand, sh_word
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec
 
 HOME = "@@HOME@@"
-STARTED = "@@nodeops-started"
+STARTED = P.STARTED
+LAUNCH_SRC = Path(P.__file__).parent  # agent.py, protocol.py, supervisor.py: shipped as they are
 
 
 @dataclass(frozen=True)
@@ -67,7 +71,7 @@ def run_dir(run_id: str) -> str:
 
 
 def host_files(
-    loaded: LoadedSpec, plan: list[launchers.HostLaunch], run_id: str, watch: dict[str, Any]
+    loaded: LoadedSpec, plan: list[launchers.HostLaunch], run_id: str, run_config: dict[str, Any]
 ) -> dict[str, list[RunFile]]:
     """Every host's run-dir files, by host alias."""
     from nodeops.render import activation
@@ -77,7 +81,9 @@ def host_files(
     tdir = data_dir("templates") / "launch"
 
     def tpl(name: str, **kw: Any) -> str:
-        return str(j.from_string((tdir / name).read_text()).render(run_id=run_id, **kw))
+        markers = {"started_marker": P.STARTED, "stopped_marker": P.STOPPED, "left_marker": P.LEFT,
+                   "exit_marker": P.EXIT_MARK}  # fmt: skip
+        return str(j.from_string((tdir / name).read_text()).render(run_id=run_id, **markers, **kw))
 
     rdir = run_dir(run_id)
     nodes = {spec.alias(n): n for n in spec.nodes}
@@ -86,9 +92,8 @@ def host_files(
     out: dict[str, list[RunFile]] = {}
     for h in plan:
         node = nodes[h.host]
-        agent_final = runner == "torchrun" and spec.launch.max_restarts == 0
-        files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2", agent_final=agent_final), "0700")
-                 for s in ("follow", "kill", "status", "wait")]  # fmt: skip
+        files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2"), "0700") for s in ("follow", "kill", "status")]
+        files += [RunFile(f, (LAUNCH_SRC / f).read_text(), "0600") for f in ("agent.py", "protocol.py")]
         if runner == "mpirun":
             files.append(RunFile("mpi_shim.sh", launchers.MPI_SHIM, "0755"))
         if h.argv:
@@ -103,12 +108,9 @@ def host_files(
                 env=env, shared_envs=dict(spec.group(node).shared_envs), argv=h.argv,
                 secret_names=[k for k, v in spec.env.items() if v.secret],
             ), "0700"))  # fmt: skip
-        watcher = h.host == chief and len(watch["hosts"]) > 1 and runner != "mpirun"
-        if watcher:
-            import json
-
-            files.append(RunFile("watch.py", (tdir / "watch.py").read_text(), "0600"))
-            files.append(RunFile("watch.json", json.dumps(watch, indent=2), "0600"))
+        if h.host == chief:  # the run's one authority, for every runner and any number of hosts
+            files.append(RunFile("supervisor.py", (LAUNCH_SRC / "supervisor.py").read_text(), "0600"))
+            files.append(RunFile(P.RUN_CONFIG, json.dumps(run_config, indent=2), "0600"))
         files.append(RunFile("start.sh", tpl("start.sh.j2", host=h.host), "0700"))
         out[h.host] = files
     return out
@@ -142,6 +144,16 @@ def start_ssh(ssh_config: Path, run_id: str, files: dict[str, list[RunFile]], ti
     hosts = list(files)
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
         return dict(zip(hosts, pool.map(one, hosts), strict=True))
+
+
+def start_supervisor(ssh_config: Path, run_id: str, chief: str, timeout: float = 30) -> str:
+    """Once every host has started: start the supervisor on the chief ('' when started)."""
+    try:
+        p = subprocess.run(ssh_argv(ssh_config, chief, "bash", f"{P.run_dir(run_id)}/start.sh", "supervise"),
+                           capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return f"the supervisor did not start within {timeout:.0f}s"
+    return "" if p.returncode == 0 and STARTED in p.stdout else last_line(p.stderr, f"exit {p.returncode}")
 
 
 def ansible_vars(files: dict[str, list[RunFile]]) -> dict[str, Any]:

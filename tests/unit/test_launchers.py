@@ -150,3 +150,26 @@ def test_a_workdir_with_command_substitution_never_runs_it(tmp_path: Path) -> No
                        capture_output=True, text=True, check=False)  # fmt: skip
     assert p.returncode == 97 and "cannot cd to" in p.stderr
     assert not (tmp_path / "ran").exists()
+
+
+def test_mpirun_failure_names_the_failing_ranks_own_host_and_lines() -> None:
+    """mpirun runs on node1, but rank 2 on node3 failed: name node3 and rank 2's own lines."""
+    from collections import deque
+
+    from nodeops import jobs
+
+    root = jobs.HostState("node1", exit_code=1)
+    root.tail.extend([
+        "[1,2]<stdout>:FAILING on purpose", "[1,0]<stdout>:step 3",
+        "--------------------------------------------------------------------------",
+        "mpirun detected that one or more processes exited with non-zero status, thus causing",
+        "the job to be terminated. The first process to do so was:", "",
+        "  Process name: [[48939,1],2]", "  Exit code:    1",
+    ])  # fmt: skip
+    rank_tails: dict[int, deque[str]] = {}
+    for line in root.tail:
+        for rank, text in jobs.mpi_pieces(line):
+            rank_tails.setdefault(rank, deque()).append(text)
+    blamed = jobs.blame_mpi_rank(root, rank_tails, ["node1", "node2", "node3"])
+    assert (blamed.host, blamed.exit_code, list(blamed.tail)) == ("node3 [rank2]", 1, ["FAILING on purpose"])
+    assert jobs.blame_mpi_rank(root, rank_tails, []) is root  # not an mpirun run: unchanged

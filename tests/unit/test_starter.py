@@ -34,12 +34,12 @@ def test_shell_quote_expands_only_the_home_token() -> None:
     assert out == "/h/x y\n"
 
 
-def test_every_host_gets_its_scripts_and_only_the_chief_a_watcher() -> None:
+def test_every_host_gets_its_agent_and_only_the_chief_the_supervisor() -> None:
     _, files = files_for(SPEC, ["train.py"])
     names = {h: [f.name for f in fs] for h, fs in files.items()}
-    assert set(names["10.0.0.1"]) == {"follow.sh", "kill.sh", "status.sh", "wait.sh", "job.sh", "watch.py",
-                                      "watch.json", "start.sh"}  # fmt: skip
-    assert "watch.py" not in names["10.0.0.2"] and "job.sh" in names["10.0.0.2"]
+    common = {"follow.sh", "kill.sh", "status.sh", "job.sh", "start.sh", "agent.py", "protocol.py"}
+    assert set(names["10.0.0.1"]) == common | {"supervisor.py", "run.json"}
+    assert set(names["10.0.0.2"]) == common
     job = next(f for f in files["10.0.0.2"] if f.name == "job.sh").content
     assert "export NODE_RANK=1" in job
     assert 'export NODEOPS_RUN_DIR="$HOME"/.nodeops/runs/20261122-101500-ab12' in job
@@ -52,9 +52,9 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     files = [starter.RunFile("job.sh", job, "0700")]
     loaded = load_spec_text(SPEC)
     plan = launchers.plan(loaded.spec, ["x"], "20261122-101500-ab12")
-    start = next(f for f in starter.host_files(loaded, plan, "20261122-101500-ab12", {"hosts": []})["10.0.0.2"]
-                 if f.name == "start.sh")  # fmt: skip
-    script = starter.bundle("20261122-101500-ab12", [*files, start])
+    shipped = [f for f in starter.host_files(loaded, plan, "20261122-101500-ab12", {"hosts": []})["10.0.0.2"]
+               if f.name in ("start.sh", "agent.py", "protocol.py")]  # fmt: skip
+    script = starter.bundle("20261122-101500-ab12", [*files, *shipped])
     p = subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True, timeout=30, check=False,
                        env={**os.environ, "HOME": str(tmp_path), "NODEOPS_TEST": "t1"})  # fmt: skip
     assert p.returncode == 0, p.stderr

@@ -75,6 +75,9 @@ def status(run_id: RunArg = None) -> None:
         states = jobs.host_states(job)
         for host, state in states.items():
             typer.echo(f"{host:12} {state}")
+        verdict = jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
+        if verdict is not None:
+            err(f"run {job.run_id}: {jobs.describe(verdict)}")
         bad = [h for h, s in states.items() if not (s.startswith("running") or s in ("exited 0", "idle"))]
         if bad:
             err(f"run {job.run_id}: not ok on {', '.join(bad)}")
@@ -93,8 +96,8 @@ def logs(
         job = jobs.find(run_id)
         emit = emitter(job.rank_hosts, job.pdsh_hosts)
         if follow:
-            res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit, stop_on_failure=False,
-                              stop_on_interrupt=False, kill_hosts=job.kill_hosts)  # fmt: skip
+            res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit, chief=job.chief, stop_on_interrupt=False,
+                              kill_hosts=job.kill_hosts, rank_hosts=job.rank_hosts)  # fmt: skip
             if res.interrupted:
                 err(f"==> stopped following; run {job.run_id} goes on (nodeops stop {job.run_id} stops it)")
             raise typer.Exit(res.exit_code)
@@ -110,6 +113,10 @@ def stop(run_id: RunArg = None) -> None:
 
     with errors():
         job = jobs.find(run_id)
+        # The supervisor stops every host and records the run as stopped; kill on every host then
+        # confirms (and does it alone when the chief cannot be reached).
+        if jobs.request_stop(job.ssh_config, job.chief, job.run_id):
+            jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=15)
         problems = {h: why for h, why in jobs.teardown(job.ssh_config, job.kill_hosts, job.run_id).items() if why}
         states = jobs.host_states(job)
         for host, state in states.items():

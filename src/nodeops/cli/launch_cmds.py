@@ -121,17 +121,16 @@ def launch(
         addresses = {n.address: s.alias(n) for n in s.nodes}
         rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []  # mpirun's tagged lines
         pdsh_hosts = addresses if s.launch.runner == "deepspeed" else {}  # pdsh's address prefixes
-        (local / "job.json").write_text(json.dumps({
-            "run_id": run_id, "spec": str(spec.resolve()), "hosts": started, "argv": user_argv,
-            "runner": s.launch.runner, "started": time.time(),
-            "rank_hosts": rank_hosts,
-            "all_hosts": [h.host for h in plan],
-            "pdsh_hosts": pdsh_hosts,
-        }, indent=2))  # fmt: skip
+        chief = s.alias(s.chief)
+        job = jobs.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
+                       spec=str(spec.resolve()), started=time.time(), rank_hosts=rank_hosts,
+                       all_hosts=[h.host for h in plan], pdsh_hosts=pdsh_hosts)  # fmt: skip
+        job.save()
         err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
         t0 = time.monotonic()
-        watch = {"run_id": run_id, "hosts": watch_hosts(s, started), "pdsh": s.launch.runner == "deepspeed"}
-        files = starter.host_files(loaded, plan, run_id, watch)
+        run_config = {"run_id": run_id, "hosts": supervised_hosts(s, started), "pdsh": s.launch.runner == "deepspeed",
+                      "agent_final": s.launch.runner == "torchrun" and s.launch.max_restarts == 0}  # fmt: skip
+        files = starter.host_files(loaded, plan, run_id, run_config)
         try:
             with sigterm_as_interrupt():
                 if via == "ssh":
@@ -141,6 +140,9 @@ def launch(
                     result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
                     bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values()
                            if hr.status != "ok"}  # fmt: skip
+                if not bad:  # every host started: now the supervisor, which attaches to all of them
+                    why = starter.start_supervisor(local / "ssh_config", run_id, chief)
+                    bad = {chief: f"supervisor: {why}"} if why else {}
         except KeyboardInterrupt:
             # Every start has returned (the pool waits for them): stop what did start, everywhere.
             left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
@@ -157,11 +159,11 @@ def launch(
             return
         err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
         emit = emitter(rank_hosts, pdsh_hosts)
-        final = s.launch.runner == "torchrun" and s.launch.max_restarts == 0
-        res = jobs.follow(local / "ssh_config", started, run_id, emit, kill_hosts=[h.host for h in plan],
-                          addresses=addresses, agent_failure_is_final=final)  # fmt: skip
+        res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=[h.host for h in plan],
+                          addresses=addresses, rank_hosts=rank_hosts)  # fmt: skip
         (local / "result.json").write_text(json.dumps({
-            h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()
+            "hosts": {h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
+            "supervisor": res.supervisor,
         }))  # fmt: skip
         if res.interrupted:
             fail(f"==> run {run_id} interrupted; {teardown_summary(res.teardown_problems)}", res.exit_code)
@@ -173,9 +175,13 @@ def launch(
             for line in rc.tail:
                 err(f"    {rc.host} {line}")
             if res.teardown_seconds is not None:
-                done = teardown_summary(res.teardown_problems)
-                err(f"==> stopped every other rank in {res.teardown_seconds:.1f}s; {done}")
+                err(f"==> the supervisor stopped every other rank in {res.teardown_seconds:.1f}s; "
+                    f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
+            else:
+                err(f"==> {teardown_summary(res.teardown_problems)}")
             raise typer.Exit(res.exit_code)
+        if res.teardown_problems:
+            fail(f"==> run {run_id}: every host exited 0, but {teardown_summary(res.teardown_problems)}", EXIT_FAILURE)
         err(f"==> run {run_id} finished: every host exited 0")
 
 
@@ -210,15 +216,15 @@ def forwarded_env(spec: ResourceSpec) -> list[str]:
     return sorted(names)
 
 
-def watch_hosts(spec: ResourceSpec, started: list[str]) -> list[dict[str, object]]:
-    """How the chief's watcher reaches each host (the chief itself runs locally); it watches the
-    started ones and kills on all."""
+def supervised_hosts(spec: ResourceSpec, started: list[str]) -> list[dict[str, object]]:
+    """How the chief's supervisor reaches each host (the chief itself locally): every host of the
+    spec gets a guard; ``job`` says whether it runs a job.sh (mpirun/deepspeed ranks elsewhere)."""
     out: list[dict[str, object]] = []
     for node in spec.ranked_nodes():
         name = spec.alias(node)
         group = spec.group(node)
         out.append({"name": name, "address": node.address, "port": group.port, "user": group.username or "",
-                    "local": node is spec.chief, "started": name in started})  # fmt: skip
+                    "local": node is spec.chief, "job": name in started})  # fmt: skip
     return out
 
 

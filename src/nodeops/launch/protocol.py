@@ -1,0 +1,51 @@
+"""The launch protocol: run-dir layout, file names, markers and timings, shared by the
+controller (``nodeops.jobs``, ``nodeops.starter``), the per-host agent and the chief's
+supervisor. Stdlib only: shipped beside ``agent.py`` and ``supervisor.py`` in every run dir.
+
+A run dir is ``~/.nodeops/runs/<run id>/`` on every host of the run.
+"""
+
+from __future__ import annotations
+
+import re
+
+RUNS_DIR = ".nodeops/runs"  # relative to the login user's home
+TAG_VAR = "NODEOPS_RUN_ID"  # every process of a job carries NODEOPS_RUN_ID=<run id>; never the agent's own
+
+# Files in the run dir.
+JOB = "job.sh"  # what this host runs (absent where mpirun/deepspeed start the ranks from the chief)
+LOG = "host.log"  # the job's stdout+stderr
+PGID = "pgid"  # the job's process group (its leader is bash job.sh)
+EXIT = "exit_code"  # the job's exit code, written by the agent when the job ends
+KILLED = "killed"  # written when the job was stopped while running (by stop, fail-fast or lost supervision)
+LOST = "lost"  # why the agent stopped the job on its own (the dead man's switch)
+HEARTBEAT = "heartbeat"  # touched by the guard at every heartbeat from the supervisor
+RUN_CONFIG = "run.json"  # the supervisor's input (chief only)
+RESULT = "result.json"  # the supervisor's verdict (chief only); its presence means the run is over
+STOP_REQUEST = "stop_request"  # the controller asks the supervisor to stop the run (chief only)
+SUPERVISOR_LOG = "supervisor.log"
+AGENT_LOG = "agent.log"
+AGENT_PID = "agent.pid"  # the host agent's pid, while it runs
+
+# Markers on stdout of the scripts the controller runs over ssh.
+STARTED = "@@nodeops-started"
+EXIT_MARK = "@@nodeops-exit "  # follow.sh: "@@nodeops-exit CODE" / "killed" / "never-started"
+STOPPED = "@@nodeops-stopped"  # kill: nothing of the run is left on this host
+LEFT = "@@nodeops-left "  # kill: "@@nodeops-left N" processes survived SIGKILL
+
+# Timings (seconds).
+HEARTBEAT_EVERY = 1.0  # supervisor -> every guard
+HEARTBEAT_STALE = 5.0  # a guard (or agent) that hears nothing this long stops the job
+ATTACH_DEADLINE = 60.0  # a job that no supervisor attached to within this is stopped
+GRACE = 2.0  # SIGTERM, then this long, then SIGKILL
+RESULT_WAIT = 20.0  # how long the controller waits for result.json after the last host ended
+
+# torchrun's agent, the moment it sees a worker fail (before its own shutdown and exit): final
+# when there are no restarts.
+AGENT_FAILED = re.compile(r"failed \(exitcode: (?:[1-9]\d*|-\d+)\) local_rank: \d+")
+# pdsh (DeepSpeed's runner) reports a node whose command failed, and keeps waiting.
+PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+
+
+def run_dir(run_id: str) -> str:
+    return f"{RUNS_DIR}/{run_id}"

@@ -1,0 +1,224 @@
+"""nodeops launch: the chief's supervisor (stdlib only, Python 3.8+), the one authority for a
+run's life, for attached and detached runs alike.
+
+Started by start.sh on the chief in its own session. Reads ``run.json``::
+
+    {"run_id": ..., "agent_final": bool, "pdsh": bool,
+     "hosts": [{"name", "address", "port", "user", "local": bool, "dir"?: path}]}
+
+and runs one guard (``agent.py guard``) per host: a local child for the chief, ``ssh`` (BatchMode,
+strict host keys) for the others. It sends every guard a heartbeat each HEARTBEAT_EVERY, so each
+host's agent stops its job by itself when the supervisor or the chief dies (the dead man's
+switch). The decision is made here, once:
+
+- the first failure (a job's non-zero exit, torchrun's final failure line, pdsh's report of a
+  failed node, a host whose guard is lost) stops every other host (``stop`` through each
+  guard's own connection: no new ssh handshakes on the teardown path);
+- ``stop_request`` in the run dir (``nodeops stop``, Ctrl-C on an attached launch) stops all;
+- when every job has ended, hosts without a job (mpirun/deepspeed ranks) are swept.
+
+Then it writes ``result.json`` and exits, always. Progress goes to ``supervisor.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+if __package__:
+    from . import protocol as P
+else:  # shipped: protocol.py lies beside this file
+    import protocol as P  # type: ignore[import-not-found,no-redef]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SSH_OPTS = ["BatchMode=yes", "StrictHostKeyChecking=yes", "ConnectTimeout=10", "ServerAliveInterval=2",
+            "ServerAliveCountMax=3"]  # fmt: skip
+
+
+def log(msg: str) -> None:
+    with open(os.path.join(HERE, P.SUPERVISOR_LOG), "a") as f:
+        f.write(f"{time.time():.3f} {msg}\n")
+
+
+class Link:
+    """One host's guard process and what it reported."""
+
+    def __init__(self, host: dict[str, Any], run_id: str, flags: list[str]) -> None:
+        self.name: str = host["name"]
+        self.address: str = host.get("address", "")
+        self.has_job = bool(host.get("job", True))
+        flags = (["--job"] if self.has_job else []) + flags
+        if host.get("local"):
+            d = host.get("dir") or HERE
+            argv = [sys.executable, os.path.join(d, "agent.py"), "guard", *flags]
+        else:
+            argv = ["ssh", "-p", str(host.get("port", 22))]
+            for o in SSH_OPTS:
+                argv += ["-o", o]
+            if host.get("user"):
+                argv += ["-l", host["user"]]
+            argv += [host["address"], f"python3 {P.run_dir(run_id)}/agent.py guard {' '.join(flags)}"]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     universal_newlines=True, start_new_session=True)  # fmt: skip
+        self.lock = threading.Lock()
+        self.watching = False
+        self.ended: str | None = None  # "0", "1", "killed", ...
+        self.left: int | None = None  # processes left after a stop (None: no confirmation)
+        self.lost = ""
+
+    def send(self, line: str) -> None:
+        with self.lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(line + "\n")
+                self.proc.stdin.flush()
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+
+
+def read_events(link: Link, events: queue.Queue[tuple[Link, str | None]]) -> None:
+    assert link.proc.stdout is not None and link.proc.stderr is not None
+    for line in link.proc.stdout:
+        events.put((link, line.strip()))
+    link.proc.wait()
+    err = [ln for ln in link.proc.stderr.read().strip().splitlines() if ln.strip()]
+    link.lost = err[-1] if err else f"its guard exited {link.proc.returncode}"
+    events.put((link, None))
+
+
+def host_result(lk: Link) -> dict[str, Any]:
+    return {"ended": lk.ended, "left": lk.left, "lost": lk.lost if lk.ended == "lost" else ""}
+
+
+def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
+    run_id = cfg["run_id"]
+    flags = (["--agent-final"] if cfg.get("agent_final") else []) + (["--pdsh"] if cfg.get("pdsh") else [])
+    links = [Link(h, run_id, flags) for h in cfg["hosts"]]
+    by_address = {lk.address: lk for lk in links}
+    events: queue.Queue[tuple[Link, str | None]] = queue.Queue()
+    for lk in links:
+        threading.Thread(target=read_events, args=(lk, events), daemon=True).start()
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(P.HEARTBEAT_EVERY):
+            for lk in links:
+                lk.send("")
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    first: dict[str, Any] | None = None
+    stopping_since: float | None = None  # a failure or a stop request: the teardown's clock
+    sweep_since: float | None = None  # every job ended: job-less hosts are swept
+    outcome = "ok"
+    gone: set[str] = set()
+    stop_file = os.path.join(HERE, P.STOP_REQUEST)
+
+    def stop_all(why: str, spare: str = "", sweep: bool = False) -> None:
+        nonlocal stopping_since, sweep_since
+        if sweep:
+            sweep_since = time.monotonic()
+        elif stopping_since is None:
+            stopping_since = time.monotonic()
+        log(f"stopping every host: {why}")
+        for lk in links:
+            if lk.name != spare and lk.name not in gone:
+                lk.send("stop")
+
+    def fail(lk: Link, code: str, why: str) -> None:
+        nonlocal first, outcome
+        if first is None and outcome == "ok":
+            first = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why}
+            outcome = "failed"
+            log(f"first failure: {lk.name}: {why}")
+            stop_all(f"{lk.name}: {why}", spare=lk.name if code != "lost" else "")
+
+    signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
+    while len(gone) < len(links):
+        if stopping_since is None and os.path.exists(stop_file):
+            outcome = "stopped" if first is None else outcome
+            stop_all("stop requested")
+        since = stopping_since or sweep_since
+        if since is not None and time.monotonic() - since > 30:
+            log("guards did not confirm within 30s; closing their connections")
+            for lk in links:
+                lk.close()
+        try:
+            lk, line = events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if line is None:
+            gone.add(lk.name)
+            if lk.ended is None and lk.left is None:
+                lk.ended = "lost"
+                fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}")
+            continue
+        log(f"{lk.name}: {line}")
+        if line == "watching":
+            lk.watching = True
+        elif line.startswith("exit "):
+            lk.ended = line.split()[1]
+            if first is not None and first["host"] == lk.name and first["code"] is None and lk.ended.isdigit():
+                first["code"] = int(lk.ended)  # torchrun's failure line came first; this is its exit
+            if lk.ended not in ("0", "killed"):
+                fail(lk, lk.ended, f"exited {lk.ended}")
+        elif line == "agent-failed":
+            fail(lk, "agent-failed", "torchrun reported a failed worker")
+        elif line.startswith("pdsh-failed "):
+            _, address, code = line.split()
+            fail(by_address.get(address, lk), code, f"exited {code} (pdsh's report)")
+        elif line.startswith("stopped "):
+            lk.left = int(line.split()[1])
+        if stopping_since is None and sweep_since is None and all(lk.ended is not None for lk in links if lk.has_job):
+            stop_all("every job has ended: sweep the hosts", sweep=True)  # job-less hosts (mpirun/deepspeed ranks)
+    done.set()
+    for lk in links:
+        lk.close()
+        try:
+            lk.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            lk.proc.kill()
+    took = None if stopping_since is None else round(time.monotonic() - stopping_since, 3)
+    return {
+        "run_id": run_id,
+        "outcome": outcome,
+        "first_failure": first,
+        "hosts": {lk.name: host_result(lk) for lk in links},
+        "teardown_seconds": took,
+    }
+
+
+def main() -> int:
+    with open(os.path.join(HERE, P.RUN_CONFIG)) as f:
+        cfg = json.load(f)
+    log("supervising " + ", ".join(h["name"] for h in cfg["hosts"]))
+    try:
+        result = supervise(cfg)
+    except Exception as e:  # never leave the run without a verdict
+        result = {"run_id": cfg["run_id"], "outcome": "error", "first_failure": None, "hosts": {},
+                  "teardown_seconds": None, "error": repr(e)}  # fmt: skip
+        log(f"error: {e!r}")
+    tmp = os.path.join(HERE, P.RESULT + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, os.path.join(HERE, P.RESULT))
+    log(f"done: {result['outcome']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

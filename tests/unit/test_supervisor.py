@@ -1,0 +1,179 @@
+"""The supervisor state machine, run for real on this machine: three "hosts" are three run dirs,
+each with its own agent (``agent.py host``) running a bash job, its guard a local child of the
+supervisor. Each host dir has its own run id, so the run-tag scans of one host never reach
+another's processes (on a cluster each host has its own /proc)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeops.launch import agent as agent_mod
+
+LAUNCH = Path(agent_mod.__file__).parent
+pytestmark = pytest.mark.slow
+
+
+def make_run(tmp: Path, jobs: dict[str, str | None], *, agent_final: bool = False) -> tuple[Path, list[Path]]:
+    dirs = []
+    for i, (name, body) in enumerate(jobs.items()):
+        d = tmp / name / f"20261122-000000-{os.getpid() % 0xFFFF:04x}{i}"
+        d.mkdir(parents=True)
+        for f in ("agent.py", "protocol.py", "supervisor.py"):
+            shutil.copy(LAUNCH / f, d / f)
+        if body is not None:
+            (d / "job.sh").write_text(body)
+        dirs.append(d)
+    hosts = [
+        {"name": n, "local": True, "dir": str(d), "job": jobs[n] is not None} for n, d in zip(jobs, dirs, strict=True)
+    ]
+    (dirs[0] / "run.json").write_text(json.dumps({"run_id": dirs[0].name, "agent_final": agent_final,
+                                                  "pdsh": False, "hosts": hosts}))  # fmt: skip
+    return dirs[0], dirs
+
+
+def start(dirs: list[Path]) -> subprocess.Popen[bytes]:
+    for d in dirs:
+        if (d / "job.sh").exists():
+            subprocess.Popen([sys.executable, str(d / "agent.py"), "host"], start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            for _ in range(100):
+                if (d / "pgid").exists():
+                    break
+                time.sleep(0.05)
+    # what `start.sh supervise` does on the chief, once every host has started
+    return subprocess.Popen([sys.executable, str(dirs[0] / "supervisor.py")], start_new_session=True)
+
+
+def ours(dirs: list[Path]) -> list[str]:
+    """Every process that belongs to these runs: jobs (by tag), agents, guards, supervisors."""
+    tags = {f"NODEOPS_RUN_ID={d.name}".encode() for d in dirs}
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if env & tags or any(str(d) in cmd for d in dirs):
+            found.append(f"{pid} {cmd}")
+    return found
+
+
+def result_of(chief: Path, sup: subprocess.Popen[bytes], timeout: float = 30) -> dict[str, object]:
+    sup.wait(timeout=timeout)
+    return dict(json.loads((chief / "result.json").read_text()))
+
+
+def wait_clean(dirs: list[Path], seconds: float = 5) -> list[str]:
+    deadline = time.monotonic() + seconds
+    while ours(dirs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return ours(dirs)
+
+
+def test_a_rank_exiting_1_stops_every_host(tmp_path: Path) -> None:
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "sleep 0.5; exit 1\n", "h3": "exec sleep 300\n"})
+    t0 = time.monotonic()
+    res = result_of(chief, start(dirs))
+    assert res["outcome"] == "failed"
+    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "exited 1"}
+    assert res["hosts"] == {"h1": {"ended": "killed", "left": 0, "lost": ""},  # type: ignore[comparison-overlap]
+                            "h2": {"ended": "1", "left": None, "lost": ""},
+                            "h3": {"ended": "killed", "left": 0, "lost": ""}}  # fmt: skip
+    assert res["teardown_seconds"] is not None and float(res["teardown_seconds"]) < 3  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 10
+    assert wait_clean(dirs) == []
+
+
+def test_all_exit_0_supervisor_exits_0_and_leaves_nothing(tmp_path: Path) -> None:
+    chief, dirs = make_run(tmp_path, {"h1": "echo a\n", "h2": "sleep 0.3\n", "h3": None})  # h3: ranks from the chief
+    sup = start(dirs)
+    res = result_of(chief, sup)
+    assert sup.returncode == 0
+    assert res["outcome"] == "ok" and res["first_failure"] is None
+    assert res["hosts"]["h3"] == {"ended": None, "left": 0, "lost": ""}  # type: ignore[index]
+    assert wait_clean(dirs) == []
+    assert (dirs[0] / "host.log").read_text() == "a\n"
+
+
+def test_a_lost_host_stops_every_host(tmp_path: Path) -> None:
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n", "h3": "exec sleep 300\n"})
+    sup = start(dirs)
+    time.sleep(1.5)
+    guard = next(line for line in ours(dirs) if f"{dirs[1]}/agent.py guard" in line)
+    os.kill(int(guard.split()[0]), signal.SIGKILL)  # what a dropped ssh looks like to the supervisor
+    res = result_of(chief, sup)
+    assert res["outcome"] == "failed"
+    assert res["first_failure"]["host"] == "h2" and "lost" in res["first_failure"]["why"]  # type: ignore[index]
+    assert wait_clean(dirs, 10) == []  # h2's own agent stops its job: its heartbeat went stale
+
+
+def test_dead_chief_every_job_stops_within_10s_by_its_own_agent(tmp_path: Path) -> None:
+    """The dead man's switch on each host: the guards and the supervisor die at once (a dead
+    chief); each host's agent hears no heartbeat and stops its job by itself."""
+    _, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    sup = start(dirs)
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    for line in ours(dirs):
+        if "agent.py guard" in line:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+    os.killpg(sup.pid, signal.SIGKILL)
+    sup.wait()
+    assert wait_clean(dirs, 10) == []
+    took = time.monotonic() - t0
+    print(f"every job gone {took:.1f}s after the chief died")
+    assert took < 10
+    assert "no heartbeat" in (dirs[1] / "lost").read_text()
+
+
+def test_silent_supervisor_its_guards_stop_the_jobs_within_10s(tmp_path: Path) -> None:
+    """A chief that vanishes from the network sends no EOF: the guards stop on silence."""
+    _, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    sup = start(dirs)
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    os.kill(sup.pid, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 10
+        while any("sleep 300" in line for line in ours(dirs)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any("sleep 300" in line for line in ours(dirs))
+        print(f"every job gone {time.monotonic() - t0:.1f}s after the supervisor went silent")
+    finally:
+        os.kill(sup.pid, signal.SIGKILL)
+        sup.wait()
+    assert wait_clean(dirs, 5) == []
+
+
+def test_stop_request_stops_all_and_says_so(tmp_path: Path) -> None:
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    sup = start(dirs)
+    time.sleep(1)
+    (chief / "stop_request").touch()
+    res = result_of(chief, sup)
+    assert res["outcome"] == "stopped" and res["first_failure"] is None
+    assert {h["ended"] for h in res["hosts"].values()} == {"killed"}  # type: ignore[attr-defined]
+    assert wait_clean(dirs) == []
+
+
+def test_torchrun_failure_line_starts_the_teardown_before_the_exit(tmp_path: Path) -> None:
+    line = "[E] failed (exitcode: 1) local_rank: 0 (pid: 7) of binary: python"
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": f"echo '{line}'; sleep 3; exit 1\n"},
+                           agent_final=True)  # fmt: skip
+    t0 = time.monotonic()
+    res = result_of(chief, start(dirs))
+    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker"}
+    log = (chief / "supervisor.log").read_text()
+    assert log.index("stopping every host") < log.index("h2: exit 1"), log
+    assert time.monotonic() - t0 < 15
+    assert wait_clean(dirs) == []
