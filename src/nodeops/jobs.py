@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,7 +157,9 @@ def host_states(job: Job) -> dict[str, str]:
 
     def one(host: str) -> str:
         try:
-            p = subprocess.run(ssh_argv(job.ssh_config, host, "bash", f"{remote_dir(job.run_id)}/status.sh"),
+            d = remote_dir(job.run_id)
+            p = subprocess.run(ssh_argv(job.ssh_config, host, f"test -d {d} || {{ echo missing; exit 0; }}; "
+                                        f"exec bash {d}/status.sh"),
                                capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
             return "unreachable: ssh timed out"
@@ -185,11 +187,12 @@ def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, s
 
     Returns host -> "" when kill.sh confirmed that nothing of the run is left there, else why
     not (unreachable, with ssh's reason; or how many processes survived)."""
-    script = f"{remote_dir(run_id)}/kill.sh"
+    # A host that never got the run's files has nothing of it to stop.
+    script = f"test -d {remote_dir(run_id)} || {{ echo {P.STOPPED}; exit 0; }}; exec bash {remote_dir(run_id)}/kill.sh"
 
     def kill(host: str) -> str:
         try:
-            p = subprocess.run(ssh_argv(ssh_config, host, "bash", script), capture_output=True, text=True,
+            p = subprocess.run(ssh_argv(ssh_config, host, script), capture_output=True, text=True,
                                timeout=30, check=False, start_new_session=True)  # fmt: skip
         except subprocess.TimeoutExpired:
             return "unreachable: kill.sh did not answer within 30s"
@@ -216,6 +219,20 @@ def describe(result: dict[str, Any]) -> str:
     )
 
 
+@contextlib.contextmanager
+def ignoring_interrupts() -> Iterator[None]:
+    """SIGINT and SIGTERM are ignored inside (main thread only; elsewhere a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
     """Ask the chief's supervisor to stop the run (it stops every host and writes its result)."""
     try:
@@ -232,7 +249,7 @@ def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESU
 
     deadline = time.monotonic() + wait
     f = f"{remote_dir(run_id)}/{P.RESULT}"
-    script = f"for _ in $(seq 1 {int(wait * 5)}); do [ -e {f} ] && exec cat {f}; sleep 0.2; done"
+    script = f"for _ in $(seq 0 {int(wait * 5)}); do [ -e {f} ] && exec cat {f}; sleep 0.2; done"
     while True:
         try:
             p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True,
@@ -338,10 +355,11 @@ def follow(
             # The supervisor stops every host (its guards' connections are already open); then
             # kill on every host confirms that nothing is left, and does the job itself when the
             # chief could not be asked or nothing ended within 20 s.
-            asked = request_stop(ssh_config, chief, run_id)
-            with contextlib.suppress(KeyboardInterrupt):
+            # A second Ctrl-C must not cut the teardown short: ignore SIGINT/SIGTERM meanwhile.
+            with ignoring_interrupts():
+                asked = request_stop(ssh_config, chief, run_id)
                 pump(until=time.monotonic() + (20 if asked else 0))
-            teardown_result = teardown(ssh_config, kill_hosts, run_id)
+                teardown_result = teardown(ssh_config, kill_hosts, run_id)
         for p in procs.values():
             p.terminate()
             try:
@@ -353,9 +371,11 @@ def follow(
             signal.signal(signal.SIGTERM, previous)
     result = None if (interrupted and not stop_on_interrupt) else fetch_result(ssh_config, chief, run_id)
     root: HostState | None = None
-    if not interrupted:
+    stopped = (result or {}).get("outcome") == "stopped"
+    if not interrupted and not stopped:
         blame_peers(states, remote_tails, addresses or {})
-        root = root_cause(list(states.values()))
+        # a host the supervisor stopped is not a cause; what failed by itself is
+        root = root_cause([st for st in states.values() if st.lost_reason != "the job was stopped"])
         root = blame_mpi_rank(root, rank_tails, rank_hosts) if root is not None else None
         first = (result or {}).get("first_failure")
         if root is None and first:  # the supervisor saw what the logs did not (a lost host, say)
@@ -369,7 +389,7 @@ def follow(
                            for h, v in result.get("hosts", {}).items()}  # fmt: skip
     elif result is None and not (interrupted and not stop_on_interrupt):
         teardown_result = {"supervisor": "no result from the chief's supervisor"}
-    return JobResult(run_id, states, root, interrupted, teardown_s, teardown_result, result)
+    return JobResult(run_id, states, root, interrupted or stopped, teardown_s, teardown_result, result)
 
 
 _MPI_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")

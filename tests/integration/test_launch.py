@@ -107,8 +107,8 @@ def test_sigint_stops_every_rank(sandbox_cluster: sandbox.Sandbox, project: Path
     proc.send_signal(signal.SIGINT)
     _out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err[-2000:]
-    assert "interrupted; every rank on every host was stopped" in err
-    assert leftovers(sandbox_cluster) == {"node1": [], "node2": [], "node3": []}
+    assert "interrupted; nothing of the run is left running" in err, err[-2000:]
+    assert no_leftovers_within(sandbox_cluster, 5) == CLEAN
 
 
 def test_arguments_reach_the_script_literally(project: Path, first_run: object) -> None:

@@ -43,8 +43,9 @@ def make_run(tmp: Path, jobs: dict[str, str | None], *, agent_final: bool = Fals
 def start(dirs: list[Path]) -> subprocess.Popen[bytes]:
     for d in dirs:
         if (d / "job.sh").exists():
-            subprocess.Popen([sys.executable, str(d / "agent.py"), "host"], start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            # as start.sh does: setsid -f, so the agent is nobody's child here (init reaps it)
+            subprocess.run(["setsid", "-f", sys.executable, str(d / "agent.py"), "host"], check=True,
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             for _ in range(100):
                 if (d / "pgid").exists():
                     break
@@ -176,4 +177,32 @@ def test_torchrun_failure_line_starts_the_teardown_before_the_exit(tmp_path: Pat
     log = (chief / "supervisor.log").read_text()
     assert log.index("stopping every host") < log.index("h2: exit 1"), log
     assert time.monotonic() - t0 < 15
+    assert wait_clean(dirs) == []
+
+
+def test_a_host_stopped_outside_the_supervisor_is_a_failure_not_ok(tmp_path: Path) -> None:
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    sup = start(dirs)
+    time.sleep(1.5)
+    subprocess.run([sys.executable, str(dirs[1] / "agent.py"), "kill"], check=True, capture_output=True)
+    res = result_of(chief, sup)
+    assert res["outcome"] == "failed"
+    assert res["first_failure"]["host"] == "h2" and "outside the supervisor" in res["first_failure"]["why"]  # type: ignore[index]
+    assert wait_clean(dirs) == []
+
+
+def test_a_dead_host_agent_ends_the_run_instead_of_hanging_it(tmp_path: Path) -> None:
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    sup = start(dirs)
+    time.sleep(1.5)
+    os.kill(int((dirs[1] / "agent.pid").read_text()), signal.SIGKILL)  # OOM killer, say
+    res = result_of(chief, sup)
+    assert res["first_failure"] == {"host": "h2", "code": None, "why": "its host agent died"}
+    assert wait_clean(dirs) == []
+
+
+def test_strays_of_a_job_that_exited_0_are_swept(tmp_path: Path) -> None:
+    chief, dirs = make_run(tmp_path, {"h1": "setsid sleep 300 </dev/null >/dev/null 2>&1 &\nexit 0\n"})
+    res = result_of(chief, start(dirs))
+    assert res["outcome"] == "ok"
     assert wait_clean(dirs) == []

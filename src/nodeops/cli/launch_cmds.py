@@ -130,9 +130,9 @@ def launch(
         t0 = time.monotonic()
         run_config = {"run_id": run_id, "hosts": supervised_hosts(s, started), "pdsh": s.launch.runner == "deepspeed",
                       "agent_final": s.launch.runner == "torchrun" and s.launch.max_restarts == 0}  # fmt: skip
-        files = starter.host_files(loaded, plan, run_id, run_config)
         try:
             with sigterm_as_interrupt():
+                files = starter.host_files(loaded, plan, run_id, run_config)
                 if via == "ssh":
                     bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
                 else:
@@ -145,12 +145,14 @@ def launch(
                     bad = {chief: f"supervisor: {why}"} if why else {}
         except KeyboardInterrupt:
             # Every start has returned (the pool waits for them): stop what did start, everywhere.
-            left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
+            with jobs.ignoring_interrupts():
+                left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
             fail(f"==> run {run_id} interrupted while starting; {teardown_summary(left)}", 130)
         if bad:
             for host, why in bad.items():
                 err(f"{host}: {why}")
-            left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
+            with jobs.ignoring_interrupts():
+                left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
             fail(f"launch failed on {', '.join(bad)}; {teardown_summary(left)}", EXIT_FAILURE)
         if detach:
             err(f"==> started in {time.monotonic() - t0:.1f}s; detached")
@@ -159,14 +161,26 @@ def launch(
             return
         err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
         emit = emitter(rank_hosts, pdsh_hosts)
-        res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=[h.host for h in plan],
-                          addresses=addresses, rank_hosts=rank_hosts)  # fmt: skip
+        try:
+            kill_hosts = [h.host for h in plan]
+            res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=kill_hosts,
+                              addresses=addresses, rank_hosts=rank_hosts)  # fmt: skip
+        except KeyboardInterrupt:  # in the instant before follow() took over Ctrl-C
+            with jobs.ignoring_interrupts():
+                jobs.request_stop(local / "ssh_config", chief, run_id)
+                left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
+            fail(f"==> run {run_id} interrupted; {teardown_summary(left)}", 130)
         (local / "result.json").write_text(json.dumps({
             "hosts": {h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
             "supervisor": res.supervisor,
         }))  # fmt: skip
         if res.interrupted:
-            fail(f"==> run {run_id} interrupted; {teardown_summary(res.teardown_problems)}", res.exit_code)
+            how = (
+                "stopped on request (nodeops stop)"
+                if (res.supervisor or {}).get("outcome") == "stopped"
+                else ("interrupted")
+            )
+            fail(f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}", res.exit_code)
         if res.root_cause is not None:
             rc = res.root_cause
             code = jobs.failure_code(rc)

@@ -131,18 +131,28 @@ def host() -> int:
     write_atomic(P.AGENT_PID, str(os.getpid()))
     write_atomic(P.PGID, str(job.pid))
     log(f"job started, pgid {job.pid}")
-    started = time.time()
+    stopping = []
+
+    def on_signal(sig: int, _frame: object) -> None:  # an operator's kill, a shutdown: never orphan the job
+        stopping.append(f"the agent got signal {sig}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    started = time.monotonic()
+    seen_beat, beat_at = mtime(P.HEARTBEAT), time.monotonic()  # staleness on this clock, not the wall's
     while True:
         rc = job.poll()
         if rc is not None:
             break
         beat = mtime(P.HEARTBEAT)
-        now = time.time()
-        lost = ""
+        now = time.monotonic()
+        if beat != seen_beat:
+            seen_beat, beat_at = beat, now
+        lost = stopping[0] if stopping else ""
         if beat is None and now - started > P.ATTACH_DEADLINE:
             lost = f"no supervisor attached within {P.ATTACH_DEADLINE:.0f}s"
-        elif beat is not None and now - beat > P.HEARTBEAT_STALE + 1:
-            lost = f"no heartbeat from the supervisor for {now - beat:.0f}s"
+        elif beat is not None and now - beat_at > P.HEARTBEAT_STALE + 1:
+            lost = f"no heartbeat from the supervisor for {now - beat_at:.0f}s"
         if lost:
             write_atomic(P.LOST, lost)
             kill_run(lost)
@@ -182,6 +192,18 @@ class LogScan:
         return [c.decode(errors="replace") for c in complete]
 
 
+def agent_alive() -> bool:
+    pid = read(P.AGENT_PID)
+    if not pid or not pid.isdigit():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie is dead too
+
+
 def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
     say("watching")
     open(path(P.HEARTBEAT), "a").close()
@@ -195,9 +217,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
         ready, _, _ = select.select([0], [], [], 0.2)
         if ready:
             chunk = os.read(0, 4096)
-            if not chunk:  # the supervisor (or the chief) is gone
-                left = kill_run("the supervisor's connection closed")
-                say(f"stopped {left}")
+            if not chunk:  # the supervisor (or the chief) is gone: stop here, and say so if anyone listens
+                say(f"lost-stopped {kill_run('the supervisor connection closed')} the supervisor connection closed")
                 return 0
             last_beat = time.monotonic()
             os.utime(path(P.HEARTBEAT))
@@ -209,8 +230,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
                 if not has_job:
                     return 0
         elif time.monotonic() - last_beat > P.HEARTBEAT_STALE:
-            left = kill_run(f"no heartbeat from the supervisor for {P.HEARTBEAT_STALE:.0f}s")
-            say(f"stopped {left}")
+            why = f"no heartbeat from the supervisor for {P.HEARTBEAT_STALE:.0f}s"
+            say(f"lost-stopped {kill_run(why)} {why}")
             return 0
         if agent_final or pdsh:
             for line in scan.lines():
@@ -220,22 +241,35 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
                 m = P.PDSH_EXIT.match(line) if pdsh else None
                 if m and m.group(2) != "0":
                     say(f"pdsh-failed {m.group(1)} {m.group(2)}")
-        code = read(P.EXIT) if has_job else None
+        if not has_job:
+            continue
+        code = read(P.EXIT)
+        if code is None and read(P.PGID) is not None and not agent_alive():
+            time.sleep(0.3)  # the agent may have written exit_code just before it ended
+            code = read(P.EXIT)
+            if code is None:
+                kill_run("the host agent died")
+                say("exit agent-died")
+                return 0
         if code is not None:
-            say("exit " + ("killed" if os.path.exists(path(P.KILLED)) else code))
+            killed = read(P.KILLED)
+            left = kill_run("the job ended: its strays") if tagged_pids() else 0  # nothing outlives the job
+            say("exit " + ("killed " + (killed or "") if killed is not None else code)
+                + (f" ({left} left)" if left else ""))  # fmt: skip
             return 0
 
 
 # --------------------------------------------------------------------------- kill / status
 def status() -> str:
+    n = len(tagged_pids())
     if not os.path.exists(path(P.JOB)):
-        n = len(tagged_pids())
         return f"running ({n} process(es) started from the chief)" if n else "idle"
     code = read(P.EXIT)
+    strays = f" ({n} process(es) of the run still alive)" if n else ""
     if os.path.exists(path(P.KILLED)) and (code is None or code != "0"):
-        return "killed"
+        return "killed" + strays
     if code is not None:
-        return f"exited {code}"
+        return f"exited {code}" + strays
     pg = read(P.PGID)
     if pg and pg.isdigit() and leader_is_ours(int(pg)):
         return "running"

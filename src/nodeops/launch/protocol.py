@@ -26,6 +26,7 @@ STOP_REQUEST = "stop_request"  # the controller asks the supervisor to stop the 
 SUPERVISOR_LOG = "supervisor.log"
 AGENT_LOG = "agent.log"
 AGENT_PID = "agent.pid"  # the host agent's pid, while it runs
+SUPERVISOR_PID = "supervisor.pid"  # written by the supervisor once it runs
 
 # Markers on stdout of the scripts the controller runs over ssh.
 STARTED = "@@nodeops-started"
@@ -36,7 +37,7 @@ LEFT = "@@nodeops-left "  # kill: "@@nodeops-left N" processes survived SIGKILL
 # Timings (seconds).
 HEARTBEAT_EVERY = 1.0  # supervisor -> every guard
 HEARTBEAT_STALE = 5.0  # a guard (or agent) that hears nothing this long stops the job
-ATTACH_DEADLINE = 60.0  # a job that no supervisor attached to within this is stopped
+ATTACH_DEADLINE = 150.0  # a job that no supervisor attached to within this is stopped (> the start budget)
 GRACE = 2.0  # SIGTERM, then this long, then SIGKILL
 RESULT_WAIT = 20.0  # how long the controller waits for result.json after the last host ended
 

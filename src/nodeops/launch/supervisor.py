@@ -39,7 +39,7 @@ else:  # shipped: protocol.py lies beside this file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SSH_OPTS = ["BatchMode=yes", "StrictHostKeyChecking=yes", "ConnectTimeout=10", "ServerAliveInterval=2",
-            "ServerAliveCountMax=3"]  # fmt: skip
+            "ServerAliveCountMax=3", "ControlMaster=no", "ControlPath=none"]  # fmt: skip
 
 
 def log(msg: str) -> None:
@@ -72,6 +72,8 @@ class Link:
         self.ended: str | None = None  # "0", "1", "killed", ...
         self.left: int | None = None  # processes left after a stop (None: no confirmation)
         self.lost = ""
+        self.sent_stop = False  # this supervisor told it to stop
+        self.stderr: list[str] = []
 
     def send(self, line: str) -> None:
         with self.lock:
@@ -93,11 +95,20 @@ class Link:
 
 def read_events(link: Link, events: queue.Queue[tuple[Link, str | None]]) -> None:
     assert link.proc.stdout is not None and link.proc.stderr is not None
+    err = link.proc.stderr
+
+    def drain() -> None:  # its own thread: a stderr held open elsewhere never blocks the verdict
+        for line in err:
+            if line.strip():
+                link.stderr.append(line.strip())
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
     for line in link.proc.stdout:
         events.put((link, line.strip()))
     link.proc.wait()
-    err = [ln for ln in link.proc.stderr.read().strip().splitlines() if ln.strip()]
-    link.lost = err[-1] if err else f"its guard exited {link.proc.returncode}"
+    drainer.join(timeout=2)
+    link.lost = link.lost or (link.stderr[-1] if link.stderr else f"its guard exited {link.proc.returncode}")
     events.put((link, None))
 
 
@@ -126,6 +137,7 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
     sweep_since: float | None = None  # every job ended: job-less hosts are swept
     outcome = "ok"
     gone: set[str] = set()
+    closed = False
     stop_file = os.path.join(HERE, P.STOP_REQUEST)
 
     def stop_all(why: str, spare: str = "", sweep: bool = False) -> None:
@@ -137,6 +149,7 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
         log(f"stopping every host: {why}")
         for lk in links:
             if lk.name != spare and lk.name not in gone:
+                lk.sent_stop = True
                 lk.send("stop")
 
     def fail(lk: Link, code: str, why: str) -> None:
@@ -145,15 +158,44 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
             first = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why}
             outcome = "failed"
             log(f"first failure: {lk.name}: {why}")
-            stop_all(f"{lk.name}: {why}", spare=lk.name if code != "lost" else "")
+            # a job host whose job is ending by itself is spared (it keeps its own exit code)
+            stop_all(f"{lk.name}: {why}", spare=lk.name if lk.has_job and code != "lost" else "")
+
+    def handle(lk: Link, line: str) -> None:
+        words = line.split()
+        if not words:
+            return
+        if line == "watching":
+            lk.watching = True
+        elif words[0] == "exit":
+            lk.ended = words[1]
+            if first is not None and first["host"] == lk.name and first["code"] is None and lk.ended.isdigit():
+                first["code"] = int(lk.ended)  # torchrun's failure line came first; this is its exit
+            if lk.ended == "killed":
+                if not lk.sent_stop:  # stopped by someone else (an operator, its own dead man's switch)
+                    fail(lk, "lost", "stopped outside the supervisor: " + " ".join(words[2:]))
+            elif lk.ended != "0":
+                fail(lk, lk.ended, "its host agent died" if lk.ended == "agent-died" else f"exited {lk.ended}")
+        elif line == "agent-failed":
+            fail(lk, "agent-failed", "torchrun reported a failed worker")
+        elif words[0] == "pdsh-failed" and len(words) == 3:
+            fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)")
+        elif words[0] == "stopped" and len(words) == 2:
+            lk.left = int(words[1])
+        elif words[0] == "lost-stopped":
+            lk.left, lk.ended = int(words[1]), "lost"
+            lk.lost = "its guard stopped the run there: " + " ".join(words[2:])
+            if not lk.sent_stop:
+                fail(lk, "lost", lk.lost)
 
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
     while len(gone) < len(links):
-        if stopping_since is None and os.path.exists(stop_file):
+        if stopping_since is None and sweep_since is None and os.path.exists(stop_file):
             outcome = "stopped" if first is None else outcome
             stop_all("stop requested")
         since = stopping_since or sweep_since
-        if since is not None and time.monotonic() - since > 30:
+        if since is not None and time.monotonic() - since > 30 and not closed:
+            closed = True
             log("guards did not confirm within 30s; closing their connections")
             for lk in links:
                 lk.close()
@@ -163,28 +205,15 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
             continue
         if line is None:
             gone.add(lk.name)
-            if lk.ended is None and lk.left is None:
+            if lk.ended is None and not (lk.sent_stop and lk.left is not None):
                 lk.ended = "lost"
                 fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}")
-            continue
-        log(f"{lk.name}: {line}")
-        if line == "watching":
-            lk.watching = True
-        elif line.startswith("exit "):
-            lk.ended = line.split()[1]
-            if first is not None and first["host"] == lk.name and first["code"] is None and lk.ended.isdigit():
-                first["code"] = int(lk.ended)  # torchrun's failure line came first; this is its exit
-            if lk.ended not in ("0", "killed"):
-                fail(lk, lk.ended, f"exited {lk.ended}")
-        elif line == "agent-failed":
-            fail(lk, "agent-failed", "torchrun reported a failed worker")
-        elif line.startswith("pdsh-failed "):
-            _, address, code = line.split()
-            fail(by_address.get(address, lk), code, f"exited {code} (pdsh's report)")
-        elif line.startswith("stopped "):
-            lk.left = int(line.split()[1])
-        if stopping_since is None and sweep_since is None and all(lk.ended is not None for lk in links if lk.has_job):
-            stop_all("every job has ended: sweep the hosts", sweep=True)  # job-less hosts (mpirun/deepspeed ranks)
+        else:
+            log(f"{lk.name}: {line}")
+            handle(lk, line)
+        if sweep_since is None and all(lk.ended is not None for lk in links if lk.has_job):
+            # every job ended: sweep the job-less hosts (mpirun/deepspeed ranks), spared ones too
+            stop_all("every job has ended: sweep the hosts", sweep=True)
     done.set()
     for lk in links:
         lk.close()
@@ -205,6 +234,8 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
 def main() -> int:
     with open(os.path.join(HERE, P.RUN_CONFIG)) as f:
         cfg = json.load(f)
+    with open(os.path.join(HERE, P.SUPERVISOR_PID), "w") as f:
+        f.write(f"{os.getpid()}\n")
     log("supervising " + ", ".join(h["name"] for h in cfg["hosts"]))
     try:
         result = supervise(cfg)
