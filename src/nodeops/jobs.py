@@ -74,6 +74,7 @@ class JobResult:
     teardown_seconds: float | None
     teardown_problems: dict[str, str] = field(default_factory=dict)  # host -> why it may not be clean
     supervisor: dict[str, Any] | None = None  # the chief supervisor's result.json
+    stopped_elsewhere: bool = False  # stopped by a request from elsewhere (nodeops stop), not our Ctrl-C
 
     @property
     def exit_code(self) -> int:
@@ -389,7 +390,16 @@ def follow(
                            for h, v in result.get("hosts", {}).items()}  # fmt: skip
     elif result is None and not (interrupted and not stop_on_interrupt):
         teardown_result = {"supervisor": "no result from the chief's supervisor"}
-    return JobResult(run_id, states, root, interrupted or stopped, teardown_s, teardown_result, result)
+    return JobResult(
+        run_id,
+        states,
+        root,
+        interrupted or stopped,
+        teardown_s,
+        teardown_result,
+        result,
+        stopped_elsewhere=stopped and not interrupted,
+    )
 
 
 _MPI_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")

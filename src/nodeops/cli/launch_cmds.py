@@ -175,11 +175,7 @@ def launch(
             "supervisor": res.supervisor,
         }))  # fmt: skip
         if res.interrupted:
-            how = (
-                "stopped on request (nodeops stop)"
-                if (res.supervisor or {}).get("outcome") == "stopped"
-                else ("interrupted")
-            )
+            how = "stopped on request (nodeops stop)" if res.stopped_elsewhere else "interrupted"
             fail(f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}", res.exit_code)
         if res.root_cause is not None:
             rc = res.root_cause
