@@ -7,7 +7,7 @@ string into a file or a command that another parser reads.
 | bash, a path that may start with ``~/`` | :func:`sh_path` | the path, ``~`` as the remote ``$HOME`` |
 | bash, a ``shared_envs`` value | :func:`sh_expand` | ``$NAME``/``${NAME}`` expanded, the rest literal |
 | ssh_config | :func:`ssh_config_value` | exactly the string (``%`` escaped where ssh expands tokens) |
-| /etc/fstab | :func:`fstab_field` | exactly the string (fstab's octal escapes) |
+| /etc/fstab | (validation) | ``ansible.posix.mount`` writes the line; ``validate`` lets through only NFS fields with nothing fstab splits on, comments out or escapes |
 | Ansible (inventory, extra vars) | :func:`ansible_yaml` | exactly the string, never templated (``!unsafe``) |
 
 Each either quotes or raises :class:`QuotingError` for what the target cannot carry (a NUL in a
@@ -29,7 +29,6 @@ __all__ = [
     "QuotingError",
     "ansible_yaml",
     "expand_refs",
-    "fstab_field",
     "sh_expand",
     "sh_path",
     "sh_word",
@@ -113,16 +112,6 @@ def ssh_config_value(value: str, *, tokens: bool = False) -> str:
         escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("'", "\\'")
         return f'"{escaped}"'
     return value
-
-
-# --------------------------------------------------------------------------- fstab
-def fstab_field(value: str) -> str:
-    """One /etc/fstab field: space, tab, newline and backslash as the octal escapes that
-    getmntent(3) decodes; empty and NUL raise."""
-    if value == "":
-        raise QuotingError("fstab: an empty field cannot be written")
-    _no_nul(value, "fstab field")
-    return "".join(f"\\{ord(c):03o}" if c in " \t\n\\" else c for c in value)
 
 
 # --------------------------------------------------------------------------- Ansible

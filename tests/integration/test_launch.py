@@ -53,6 +53,18 @@ def no_leftovers_within(sb: sandbox.Sandbox, seconds: float) -> dict[str, list[s
 CLEAN = {"node1": [], "node2": [], "node3": []}
 
 
+def controller_leftovers(run_id: str, seconds: float = 5) -> list[str]:
+    """Processes on this machine that still work on the run (follow/kill/status ssh, result
+    fetches). ssh's ControlPersist masters hold no run id and end by themselves after 60 s."""
+    deadline = time.monotonic() + seconds
+    while True:
+        ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+        left = [line for line in ps.splitlines() if run_id in line and "ps -eo" not in line]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.25)
+
+
 def test_torchrun_3x1_every_rank_reports_the_same_hash(project: Path, first_run: object) -> None:
     p = launch(project / "cluster.yaml", "--", "ddp_train.py", "--steps", "5")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -109,6 +121,8 @@ def test_sigint_stops_every_rank(sandbox_cluster: sandbox.Sandbox, project: Path
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted; nothing of the run is left running" in err, err[-2000:]
     assert no_leftovers_within(sandbox_cluster, 5) == CLEAN
+    run_id = re.search(r"==> run (\S+):", err).group(1)  # type: ignore[union-attr]
+    assert controller_leftovers(run_id) == []
 
 
 def test_arguments_reach_the_script_literally(project: Path, first_run: object) -> None:
@@ -352,6 +366,7 @@ def test_ctrl_c_on_logs_follow_leaves_the_run_running(
         _, err = follow.communicate(timeout=30)
         assert follow.returncode == 130, err
         assert "goes on" in err
+        assert controller_leftovers(run_id) == []
         time.sleep(2)
         st = _cli("status", run_id)
         assert st.returncode == 0 and st.stdout.split() == ["node1", "running", "node2", "running", "node3", "running"]
@@ -377,6 +392,8 @@ def test_ctrl_c_while_starting_leaves_nothing(
     assert proc.returncode == 130, err
     assert "nothing of the run is left running" in err, err
     assert no_leftovers_within(sandbox_cluster, 5) == CLEAN
+    run_id = re.search(r"==> run (\S+):", err).group(1)  # type: ignore[union-attr]
+    assert controller_leftovers(run_id) == []
 
 
 def test_chief_container_killed_every_other_rank_gone_within_10s(
