@@ -7,7 +7,7 @@ string into a file or a command that another parser reads.
 | bash, a path that may start with ``~/`` | :func:`sh_path` | the path, ``~`` as the remote ``$HOME`` |
 | bash, a ``shared_envs`` value | :func:`sh_expand` | ``$NAME``/``${NAME}`` expanded, the rest literal |
 | ssh_config | :func:`ssh_config_value` | exactly the string (``%`` escaped where ssh expands tokens) |
-| /etc/fstab | (validation) | ``ansible.posix.mount`` writes the line; ``validate`` lets through only NFS fields with nothing fstab splits on, comments out or escapes |
+| /etc/fstab | (validate) | ``ansible.posix.mount`` writes it; NFS fields need no escaping |
 | Ansible (inventory, extra vars) | :func:`ansible_yaml` | exactly the string, never templated (``!unsafe``) |
 
 Each either quotes or raises :class:`QuotingError` for what the target cannot carry (a NUL in a
