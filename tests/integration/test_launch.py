@@ -53,6 +53,21 @@ def no_leftovers_within(sb: sandbox.Sandbox, seconds: float) -> dict[str, list[s
 CLEAN = {"node1": [], "node2": [], "node3": []}
 
 
+def secret_never_in_ps(sb: sandbox.Sandbox, proc: subprocess.Popen[str], needle: str) -> set[str]:
+    """While proc runs: the secret is in no process's arguments on any node. Returns the nodes
+    on which `needle` was seen in ps."""
+    seen: set[str] = set()
+    while proc.poll() is None:
+        for n in sb.nodes:
+            ps = subprocess.run(["docker", "exec", n.container, "ps", "-eo", "args"], capture_output=True,
+                                text=True).stdout  # fmt: skip
+            assert SECRET not in ps, n.name
+            if needle in ps:
+                seen.add(n.name)
+        time.sleep(0.3)
+    return seen
+
+
 def controller_leftovers(run_id: str, seconds: float = 5) -> list[str]:
     """Processes on this machine that still work on the run (follow/kill/status ssh, result
     fetches). ssh's ControlPersist masters hold no run id and end by themselves after 60 s."""
@@ -239,14 +254,7 @@ def test_mpirun_3x1_every_rank_reports_the_same_hash(
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
     # While it runs: orted on the other nodes, and the secret (forwarded with -x) on no command line.
-    seen_orted = False
-    while proc.poll() is None:
-        for n in sandbox_cluster.nodes:
-            ps = subprocess.run(["docker", "exec", n.container, "ps", "-eo", "args"], capture_output=True,
-                                text=True).stdout  # fmt: skip
-            assert SECRET not in ps
-            seen_orted |= "orted" in ps and n.name != "node1"
-        time.sleep(0.5)
+    seen_orted = bool(secret_never_in_ps(sandbox_cluster, proc, "orted") - {"node1"})
     out, err = proc.communicate()
     assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert seen_orted, "no orted seen on node2/node3: was mpirun really used?"
@@ -284,14 +292,7 @@ def test_deepspeed_3x1_through_pdsh_and_a_dead_rank_stops_everything(
     proc = subprocess.Popen([NODEOPS, "launch", str(spec), "ddp_train.py", "--steps", "10", "--sleep", "0.3"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
-    seen_pdsh = False
-    while proc.poll() is None:
-        for n in sandbox_cluster.nodes:
-            ps = subprocess.run(["docker", "exec", n.container, "ps", "-eo", "args"], capture_output=True,
-                                text=True).stdout  # fmt: skip
-            assert SECRET not in ps, n.name
-            seen_pdsh |= "pdsh" in ps
-        time.sleep(0.3)
+    seen_pdsh = bool(secret_never_in_ps(sandbox_cluster, proc, "pdsh"))
     out, err = proc.communicate()
     p = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
