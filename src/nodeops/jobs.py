@@ -22,11 +22,12 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nodeops.errors import NodeopsError
 from nodeops.launch import protocol as P
 
+T = TypeVar("T")
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
 TAIL_LINES = 40  # torchrun's failure summary alone is ~20 lines; keep the rank's last words too
 
@@ -86,6 +87,12 @@ class JobResult:
 
     def __post_init__(self) -> None:
         self.teardown_problems = {h: why for h, why in self.teardown_problems.items() if why}
+
+
+def fan_out(hosts: Sequence[str], fn: Callable[[str], T]) -> dict[str, T]:
+    """fn(host) on every host at once (one thread each, as pdsh does); host -> result, in order."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+        return dict(zip(hosts, pool.map(fn, hosts), strict=True))
 
 
 def ssh_argv(ssh_config: Path, host: str, *command: str) -> list[str]:
@@ -168,9 +175,7 @@ def host_states(job: Job) -> dict[str, str]:
             return "unreachable: " + last_line(p.stderr, "ssh failed")
         return p.stdout.strip()
 
-    hosts = job.kill_hosts  # every host of the run: mpirun/deepspeed ranks run where no job.sh is
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-        return dict(zip(hosts, pool.map(one, hosts), strict=True))
+    return fan_out(job.kill_hosts, one)  # every host of the run: mpirun/deepspeed ranks run where no job.sh is
 
 
 def read_logs(job: Job) -> dict[str, list[str]]:
@@ -179,8 +184,7 @@ def read_logs(job: Job) -> dict[str, list[str]]:
                            capture_output=True, text=True, timeout=60, check=False, errors="replace")  # fmt: skip
         return p.stdout.splitlines()
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(job.hosts))) as pool:
-        return dict(zip(job.hosts, pool.map(one, job.hosts), strict=True))
+    return fan_out(job.hosts, one)
 
 
 def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, str]:
@@ -204,8 +208,7 @@ def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, s
             return f"{left.group(1)} process(es) of the run survived SIGKILL"
         return "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-        return dict(zip(hosts, pool.map(kill, hosts), strict=True))
+    return fan_out(hosts, kill)
 
 
 def describe(result: dict[str, Any]) -> str:

@@ -16,7 +16,6 @@ contains ``@@HOME@@`` literally would be expanded too.
 from __future__ import annotations
 
 import base64
-import concurrent.futures
 import json
 import subprocess
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeops import launchers
-from nodeops.jobs import last_line, ssh_argv
+from nodeops.jobs import fan_out, last_line, ssh_argv
 from nodeops.launch import protocol as P
 from nodeops.quoting import sh_expand, sh_word
 from nodeops.resources import data_dir
@@ -141,9 +140,7 @@ def start_ssh(ssh_config: Path, run_id: str, files: dict[str, list[RunFile]], ti
             return ""
         return last_line(p.stderr, f"exit {p.returncode}")
 
-    hosts = list(files)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
-        return dict(zip(hosts, pool.map(one, hosts), strict=True))
+    return fan_out(list(files), one)
 
 
 def start_supervisor(ssh_config: Path, run_id: str, chief: str, timeout: float = 30) -> str:

@@ -414,3 +414,34 @@ def test_chief_container_killed_every_other_rank_gone_within_10s(
     print(f"every rank on node2 and node3 gone {took:.1f}s after the chief's container was killed")
     assert left == {"node2": [], "node3": []}
     assert took < 10
+
+
+def test_shared_envs_reach_the_job_expanded_as_on_autodist(project: Path, first_run: object, tmp_path: Path) -> None:
+    """AutoDist's shared_envs: $NAME expands on the node (once, against the login env), through
+    setup's env.sh and launch's job script alike; command substitution was refused earlier."""
+    probe = "    print('ENVS=' + os.environ['IT_PATH'] + '|' + os.environ['IT_LIT'])\n"
+    (project / "envs.py").write_text("import os\nif os.environ['RANK'] == '0':\n" + probe)
+    text = (
+        (project / "cluster.yaml")
+        .read_text()
+        .replace("  sandbox:\n", "  sandbox:\n    shared_envs: {IT_PATH: '$HOME/bin:${PATH}', IT_LIT: 'a b $'}\n", 1)
+    )
+    assert "shared_envs" in text
+    spec = tmp_path / "envs.yaml"
+    spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1))
+    env = {**os.environ, "NODEOPS_IT_SECRET": SECRET}
+    try:
+        s = subprocess.run([NODEOPS, "setup", str(spec), "--tags", "nccl_env,shared_path"], capture_output=True,
+                           text=True, timeout=600, check=False, env=env)  # fmt: skip
+        assert s.returncode == 0, s.stderr[-3000:]
+        p = launch(spec, "--no-check", "envs.py")
+    finally:  # the other tests' env.sh back (the same cluster name)
+        subprocess.run([NODEOPS, "setup", str(project / "cluster.yaml"), "--tags", "nccl_env"], capture_output=True,
+                       timeout=600, check=False, env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = re.findall(r"ENVS=(.*)", p.stdout)
+    assert len(got) == 1, p.stdout[-2000:]
+    path, lit = got[0].split("|")
+    assert path.startswith("/home/debian/bin:/") and "$" not in path, path  # expanded, once
+    assert path.count("/home/debian/bin") == 1, path
+    assert lit == "a b $"
