@@ -153,7 +153,8 @@ def start_supervisor(ssh_config: Path, run_id: str, chief: str, timeout: float =
     return "" if p.returncode == 0 and STARTED in p.stdout else last_line(p.stderr, f"exit {p.returncode}")
 
 
-def ansible_vars(files: dict[str, list[RunFile]]) -> dict[str, Any]:
-    """Extra vars for playbooks/launch.yml: the same files, per host."""
-    return {"nodeops_launch_files": {h: [{"name": f.name, "content": f.content, "mode": f.mode} for f in fs]
-                                     for h, fs in files.items()}}  # fmt: skip
+def ansible_vars(run_id: str, files: dict[str, list[RunFile]]) -> dict[str, Any]:
+    """Extra vars for playbooks/launch.yml: each host's bundle, the same script the ssh transport
+    pipes (so both transports write and start exactly the same)."""
+    return {"nodeops_launch_bundle": {h: bundle(run_id, fs) for h, fs in files.items()},
+            "nodeops_started_marker": P.STARTED}  # fmt: skip

@@ -136,7 +136,7 @@ def launch(
                 if via == "ssh":
                     bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
                 else:
-                    extravars = {"nodeops_run_id": run_id, **starter.ansible_vars(files)}
+                    extravars = starter.ansible_vars(run_id, files)
                     result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
                     bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values()
                            if hr.status != "ok"}  # fmt: skip
