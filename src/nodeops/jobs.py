@@ -97,8 +97,8 @@ def fan_out(hosts: Sequence[str], fn: Callable[[str], T]) -> dict[str, T]:
 
 def ssh_argv(ssh_config: Path, host: str, *command: str) -> list[str]:
     """ssh to a host through the cluster's generated ssh_config (strict host keys, multiplexed)."""
-    return ["ssh", "-F", str(ssh_config), "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=2",
-            "-o", "ServerAliveCountMax=3", host, *command]  # fmt: skip
+    opts = [a for o in P.SSH_TIMEOUTS for a in ("-o", o)]
+    return ["ssh", "-F", str(ssh_config), *opts, host, *command]
 
 
 def last_line(text: str, default: str) -> str:

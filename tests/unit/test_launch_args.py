@@ -49,3 +49,21 @@ def test_a_misspelt_option_before_the_script_is_exit_2_and_runs_nothing(tmp_path
 def test_via_lists_its_choices() -> None:
     r = CliRunner().invoke(app, ["launch", "--via", "bogus", "c.yaml", "t.py"])
     assert r.exit_code == 2 and "ssh" in r.output and "ansible" in r.output
+
+
+def test_launch_does_not_need_from_env_or_secret_variables_exported(tmp_path: object, monkeypatch: object) -> None:
+    """launch sends no env values (the ranks read what setup wrote), so an unset from_env/secret
+    variable is no reason to refuse: it gets past the spec stage to the hosts (here a closed port)."""
+    from pathlib import Path
+
+    mp: pytest.MonkeyPatch = monkeypatch  # type: ignore[assignment]
+    d = Path(str(tmp_path))
+    mp.setenv("NODEOPS_HOME", str(d / "home"))
+    mp.delenv("NODEOPS_UNSET_TOKEN", raising=False)
+    spec = d / "c.yaml"
+    spec.write_text("nodes:\n  - {address: 127.0.0.1, cpus: [0]}\nssh: {g: {port: 1}}\nenv:\n"
+                    "  TOKEN: {from_env: NODEOPS_UNSET_TOKEN, secret: true}\n"
+                    "  PLAIN: {from_env: NODEOPS_UNSET_TOKEN}\n")  # fmt: skip
+    r = CliRunner().invoke(app, ["launch", "--no-check", str(spec), "train.py"])
+    assert "NODEOPS_UNSET_TOKEN" not in r.output
+    assert r.exit_code == 1 and "launch failed on 127.0.0.1" in r.output, r.output

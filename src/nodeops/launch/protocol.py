@@ -41,6 +41,10 @@ ATTACH_DEADLINE = 150.0  # a job that no supervisor attached to within this is s
 GRACE = 2.0  # SIGTERM, then this long, then SIGKILL
 RESULT_WAIT = 20.0  # how long the controller waits for result.json after the last host ended
 
+# ssh options every launch connection uses, from the controller and from the chief: fail in 10 s
+# when a host does not answer, and notice a dead connection within ~6 s.
+SSH_TIMEOUTS = ["ConnectTimeout=10", "ServerAliveInterval=2", "ServerAliveCountMax=3"]
+
 # torchrun's agent, the moment it sees a worker fail (before its own shutdown and exit): final
 # when there are no restarts.
 AGENT_FAILED = re.compile(r"failed \(exitcode: (?:[1-9]\d*|-\d+)\) local_rank: \d+")

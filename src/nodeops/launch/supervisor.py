@@ -38,8 +38,8 @@ else:  # shipped: protocol.py lies beside this file
     import protocol as P  # type: ignore[import-not-found,no-redef]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SSH_OPTS = ["BatchMode=yes", "StrictHostKeyChecking=yes", "ConnectTimeout=10", "ServerAliveInterval=2",
-            "ServerAliveCountMax=3", "ControlMaster=no", "ControlPath=none"]  # fmt: skip
+# The mesh path (as mpirun and pdsh use it): strict host keys, no prompts, no user ControlMaster.
+SSH_OPTS = ["BatchMode=yes", "StrictHostKeyChecking=yes", *P.SSH_TIMEOUTS, "ControlMaster=no", "ControlPath=none"]
 
 
 def log(msg: str) -> None:
