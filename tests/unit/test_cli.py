@@ -225,3 +225,33 @@ def test_pdsh_exit_report_names_the_failed_node() -> None:
     assert pdsh_failure("pdsh@node1: 10.0.0.13: ssh exited with exit code 1", hosts) == ("node3", 1)
     assert pdsh_failure("pdsh@node1: 10.0.0.13: ssh exited with exit code 0", hosts) is None
     assert pdsh_failure("10.0.0.13: ssh exited with exit code 1", hosts) is None
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["render", "{spec}", "-o", "afile/sub"], "exists and is not a directory"),
+        (["schema", "-o", "adir"], "adir is a directory; give a file path"),
+        (["schema", "-o", "missing_dir/x.json"], "the directory missing_dir does not exist"),
+        (["import-hostfile", "hf", "-o", "missing_dir/x.yaml"], "the directory missing_dir does not exist"),
+        (["import-hostfile", "hf", "-o", "adir", "--force"], "adir is a directory; give a file path"),
+        (["import-hostfile", "hf-bin"], "hf-bin is not UTF-8 text"),
+        (["import-hostfile", "adir"], "adir is a directory; give a hostfile"),
+    ],
+)
+def test_bad_paths_are_one_line_errors_with_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], message: str
+) -> None:
+    """Issue 17, item 3: each of these was a traceback with exit 1."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "hf").write_text("10.0.0.1 slots=2\n")
+    (tmp_path / "hf-bin").write_bytes(b"\xff\xfe10.0.0.1 slots=2\n")
+    spec = str(SPECS / "minimal.happy.yaml")
+    r = subprocess.run([sys.executable, "-m", "nodeops", *[a.replace("{spec}", spec) for a in args]],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -52,6 +53,45 @@ def err(message: str) -> None:
 def fail(message: str, code: int) -> NoReturn:
     err(message)
     raise typer.Exit(code)
+
+
+def write_file(path: Path, text: str) -> None:
+    """Write an output file the user named; a path that cannot be written is a usage error
+    (one line, exit 2), never a traceback."""
+    try:
+        path.write_text(text, encoding="utf-8")
+    except IsADirectoryError:
+        fail(f"error: {path} is a directory; give a file path", EXIT_SPEC)
+    except FileNotFoundError:
+        fail(f"error: {path}: the directory {path.parent} does not exist; create it first", EXIT_SPEC)
+    except NotADirectoryError:
+        fail(f"error: {path}: a part of {path.parent} is a file, not a directory", EXIT_SPEC)
+    except OSError as e:
+        fail(f"error: cannot write {path}: {e.strerror or e}", EXIT_SPEC)
+
+
+def make_dir(path: Path) -> None:
+    """Create an output directory the user named (and its parents), or exit 2 with why not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        fail(f"error: {path}: it, or a part of it, exists and is not a directory", EXIT_SPEC)
+    except OSError as e:
+        fail(f"error: cannot create {path}: {e.strerror or e}", EXIT_SPEC)
+
+
+def read_text_file(path: Path, what: str) -> str:
+    """Read an input file the user named as UTF-8 text, or exit 2 with why not."""
+    if path.is_dir():
+        fail(f"error: {path} is a directory; give a {what}", EXIT_SPEC)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        fail(f"error: {path}: no such file", EXIT_SPEC)
+    except UnicodeDecodeError as e:
+        fail(f"error: {path} is not UTF-8 text (byte {e.start}); is it really a {what}?", EXIT_SPEC)
+    except OSError as e:
+        fail(f"error: cannot read {path}: {e.strerror or e}", EXIT_SPEC)
 
 
 @contextmanager

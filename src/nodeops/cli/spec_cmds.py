@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nodeops.cli.app import app, err, errors, fail
+from nodeops.cli.app import app, err, errors, fail, make_dir, read_text_file, write_file
 from nodeops.errors import EXIT_SPEC
 
 if TYPE_CHECKING:
@@ -91,9 +91,9 @@ def render(
         rendered = do_render(loaded, os.environ)
         if out.exists() and not out.is_dir():
             fail(f"error: {out} exists and is not a directory", EXIT_SPEC)
-        out.mkdir(parents=True, exist_ok=True)
+        make_dir(out)
         for name, content in rendered.files.items():
-            (out / name).write_text(content, encoding="utf-8")
+            write_file(out / name, content)
         for w in rendered.warnings:
             err(f"warning: {w}")
         typer.echo(f"wrote {', '.join(rendered.files)} to {out}/")
@@ -114,7 +114,7 @@ def schema(
     if out is None:
         sys.stdout.write(text)
     else:
-        out.write_text(text, encoding="utf-8")
+        write_file(out, text)
         typer.echo(f"wrote {out}", err=True)
 
 
@@ -143,15 +143,13 @@ def import_hostfile(
     with errors():
         if out is not None and out.exists() and not force:
             fail(f"error: {out} exists; pass --force to overwrite it", EXIT_SPEC)
-        if not hostfile.is_file():
-            fail(f"error: {hostfile}: no such file", EXIT_SPEC)
         text, warnings = spec_from_hostfile(
-            hostfile.read_text(encoding="utf-8"), str(hostfile), user=user, key_file=key_file, port=port
+            read_text_file(hostfile, "hostfile"), str(hostfile), user=user, key_file=key_file, port=port
         )
         for w in warnings:
             err(f"warning: {w}")
         if out is None:
             sys.stdout.write(text)
         else:
-            out.write_text(text, encoding="utf-8")
+            write_file(out, text)
             typer.echo(f"wrote {out}", err=True)
