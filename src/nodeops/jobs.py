@@ -36,13 +36,19 @@ class JobError(NodeopsError):
     pass
 
 
+class RunIdError(JobError):
+    """A run id that is malformed or unknown here: usage, nothing was run (exit 2)."""
+
+    exit_code = 2
+
+
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
 def check_run_id(run_id: str) -> str:
     if not RUN_ID.match(run_id):
-        raise JobError(f"{run_id!r} is not a run id (like 20261122-101500-ab12); see `ls ~/.nodeops/jobs`")
+        raise RunIdError(f"{run_id!r} is not a run id (like 20261122-101500-ab12); see `ls ~/.nodeops/jobs`")
     return run_id
 
 
@@ -79,10 +85,13 @@ class JobResult:
 
     @property
     def exit_code(self) -> int:
+        """0; 130 interrupted; else the failing rank's own code, except the codes nodeops keeps
+        for itself (2: bad usage, nothing was run; 130: interrupted), which become 1."""
         if self.interrupted:
             return 130
         if self.root_cause is not None:
-            return failure_code(self.root_cause) or 1
+            code = failure_code(self.root_cause) or 1
+            return 1 if code in (2, 130) or not 0 < code < 256 else code
         return 0
 
     def __post_init__(self) -> None:
@@ -148,11 +157,11 @@ def find(run_id: str | None) -> Job:
     if run_id is None:
         ids = sorted(p.name for p in jobs_dir().iterdir() if RUN_ID.match(p.name))
         if not ids:
-            raise JobError("no job has been launched from this machine yet")
+            raise RunIdError("no job has been launched from this machine yet")
         run_id = ids[-1]
     d = jobs_dir() / check_run_id(run_id)
     if not (d / "job.json").is_file():
-        raise JobError(f"no job {run_id} in {jobs_dir()}")
+        raise RunIdError(f"no job {run_id} in {jobs_dir()}")
     meta = json.loads((d / "job.json").read_text())
     known = {f.name for f in dataclasses.fields(Job)} - {"dir"}
     job = Job(dir=d, **{k: v for k, v in meta.items() if k in known})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -179,9 +180,9 @@ def test_setup_bad_spec_is_exit_2() -> None:
 
 def test_status_of_an_unknown_run_is_a_clear_error(tmp_path: Path) -> None:
     r = runner.invoke(app, ["status", "20990101-000000-abcd"], env={"NODEOPS_HOME": str(tmp_path)})
-    assert r.exit_code == 1 and "no job 20990101-000000-abcd" in r.stderr
+    assert r.exit_code == 2 and "no job 20990101-000000-abcd" in r.stderr
     r = runner.invoke(app, ["stop", "not-a-run"], env={"NODEOPS_HOME": str(tmp_path)})
-    assert r.exit_code == 1 and "is not a run id" in r.stderr
+    assert r.exit_code == 2 and "is not a run id" in r.stderr
 
 
 def test_mpirun_tagged_lines_get_the_ranks_host(capsys: pytest.CaptureFixture[str]) -> None:
@@ -255,3 +256,23 @@ def test_bad_paths_are_one_line_errors_with_exit_2(
     assert "Traceback" not in r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("run_id", ["nonsense", "20990101-000000-abcd"])
+@pytest.mark.parametrize("command", ["status", "logs", "stop"])
+def test_a_bad_or_unknown_run_id_is_usage_exit_2(tmp_path: Path, command: str, run_id: str) -> None:
+    r = subprocess.run([sys.executable, "-m", "nodeops", command, run_id], capture_output=True, text=True,
+                       check=False, env={**os.environ, "NODEOPS_HOME": str(tmp_path)})  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and "Traceback" not in r.stderr
+
+
+def test_launch_exit_code_is_the_ranks_except_nodeops_own_codes() -> None:
+    from nodeops import jobs
+
+    def code(rank_code: int) -> int:
+        return jobs.JobResult("r", {}, jobs.HostState("node2", exit_code=rank_code), False, None).exit_code
+
+    assert [code(c) for c in (1, 3, 137, 2, 130)] == [1, 3, 137, 1, 1]
+    assert jobs.JobResult("r", {}, None, True, None).exit_code == 130
+    assert jobs.JobResult("r", {}, None, False, None).exit_code == 0

@@ -113,9 +113,12 @@ def stop(run_id: RunArg = None) -> None:
 
     with errors():
         job = jobs.find(run_id)
+        ended = jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
+        if ended is not None:
+            err(f"run {job.run_id} had already ended ({jobs.describe(ended)}); confirming nothing is left")
         # The supervisor stops every host and records the run as stopped; kill on every host then
         # confirms (and does it alone when the chief cannot be reached).
-        if jobs.request_stop(job.ssh_config, job.chief, job.run_id):
+        elif jobs.request_stop(job.ssh_config, job.chief, job.run_id):
             jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=15)
         problems = {h: why for h, why in jobs.teardown(job.ssh_config, job.kill_hosts, job.run_id).items() if why}
         states = jobs.host_states(job)
@@ -125,4 +128,5 @@ def stop(run_id: RunArg = None) -> None:
         if left or problems:
             err(f"run {job.run_id}: not confirmed stopped on {', '.join(dict.fromkeys([*left, *problems]))}")
             raise typer.Exit(EXIT_FAILURE)
-        err(f"run {job.run_id} stopped on {len(states)} host(s); nothing of it is left running")
+        err(f"run {job.run_id}: nothing of it is left running on {len(states)} host(s)"
+            + ("" if ended is not None else "; stopped"))  # fmt: skip
