@@ -816,7 +816,8 @@ def load_spec(path: str | Path) -> LoadedSpec:
     """Load and validate a spec file. Raises :class:`SpecError` (exit 2) on any problem."""
     p = Path(path)
     if not p.is_file():
-        raise SpecError([SpecIssue(str(p), 1, 1, "<file>", "no such file", "check the path")])
+        what = "is a directory, not a spec file" if p.is_dir() else "no such file"
+        raise SpecError([SpecIssue(str(p), 1, 1, "<file>", what, "give the path of a spec YAML file")])
     try:
         return validate_located(load_file(p))
     except YamlSyntaxError as e:

@@ -77,6 +77,11 @@ def test_validate_missing_file() -> None:
     assert r.exit_code == 2 and "no such file" in r.stderr
 
 
+def test_validate_a_directory_says_so(tmp_path: Path) -> None:
+    r = runner.invoke(app, ["validate", str(tmp_path)])
+    assert r.exit_code == 2 and "is a directory, not a spec file" in r.stderr
+
+
 def test_render_writes_only_its_files(tmp_path: Path) -> None:
     (tmp_path / "mine.txt").write_text("keep me")
     r = runner.invoke(app, ["render", str(SPECS / "full.happy.yaml"), "-o", str(tmp_path)])

@@ -67,3 +67,8 @@ def test_launch_does_not_need_from_env_or_secret_variables_exported(tmp_path: ob
     r = CliRunner().invoke(app, ["launch", "--no-check", str(spec), "train.py"])
     assert "NODEOPS_UNSET_TOKEN" not in r.output
     assert r.exit_code == 1 and "launch failed on 127.0.0.1" in r.output, r.output
+
+
+def test_usage_line_shows_the_script_and_its_arguments() -> None:
+    r = CliRunner().invoke(app, ["launch", "-h"])
+    assert r.exit_code == 0 and "[--] SCRIPT [ARGS]..." in r.output

@@ -54,6 +54,9 @@ class ScriptCommand(TyperCommand):
         ctx.args = [*rest, *tail]
         return list(ctx.args)
 
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        return [*super().collect_usage_pieces(ctx), "[--] SCRIPT [ARGS]..."]
+
 
 @app.command(
     cls=ScriptCommand,
