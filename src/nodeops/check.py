@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shlex
 import subprocess
 import tempfile
 from collections import Counter
@@ -23,6 +22,7 @@ from typing import Any
 from nodeops import probe
 from nodeops.errors import NodeopsError
 from nodeops.jobs import last_line, ssh_argv
+from nodeops.quoting import sh_word
 from nodeops.spec import LoadedSpec, ResourceSpec
 
 OK, WARN, FAIL = "ok", "warn", "fail"
@@ -118,7 +118,7 @@ def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dict
         cfg = Path(tmp) / "ssh_config"
         cfg.write_text(ssh_config(loaded))
         os.chmod(cfg, 0o600)
-        argv = ssh_argv(cfg, chief, "python3 -c " + shlex.quote(probe.BOOT))
+        argv = ssh_argv(cfg, chief, "python3 -c " + sh_word(probe.BOOT))
         try:
             p = subprocess.run(argv, input=payload, capture_output=True, text=True, timeout=timeout + 30,
                                errors="replace")  # fmt: skip

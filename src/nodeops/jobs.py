@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 from nodeops.errors import NodeopsError
 from nodeops.launch import protocol as P
+from nodeops.quoting import sh_word
 
 T = TypeVar("T")
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
@@ -68,6 +69,7 @@ class HostState:
     host: str
     exit_code: int | None = None  # None: still running; -1: lost (ssh died or job killed)
     lost_reason: str = ""
+    stopped: bool = False  # stopped by a teardown (the supervisor's or ours): a victim, never a cause
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     ended_at: float = 0.0
 
@@ -174,7 +176,7 @@ def host_states(job: Job) -> dict[str, str]:
 
     def one(host: str) -> str:
         try:
-            d = remote_dir(job.run_id)
+            d = sh_word(remote_dir(job.run_id))
             p = subprocess.run(ssh_argv(job.ssh_config, host, f"test -d {d} || {{ echo missing; exit 0; }}; "
                                         f"exec bash {d}/status.sh"),
                                capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
@@ -189,7 +191,7 @@ def host_states(job: Job) -> dict[str, str]:
 
 def read_logs(job: Job) -> dict[str, list[str]]:
     def one(host: str) -> list[str]:
-        p = subprocess.run(ssh_argv(job.ssh_config, host, "cat", f"{remote_dir(job.run_id)}/host.log"),
+        p = subprocess.run(ssh_argv(job.ssh_config, host, "cat", sh_word(f"{remote_dir(job.run_id)}/host.log")),
                            capture_output=True, text=True, timeout=60, check=False, errors="replace")  # fmt: skip
         return p.stdout.splitlines()
 
@@ -202,7 +204,8 @@ def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, s
     Returns host -> "" when kill.sh confirmed that nothing of the run is left there, else why
     not (unreachable, with ssh's reason; or how many processes survived)."""
     # A host that never got the run's files has nothing of it to stop.
-    script = f"test -d {remote_dir(run_id)} || {{ echo {P.STOPPED}; exit 0; }}; exec bash {remote_dir(run_id)}/kill.sh"
+    d = sh_word(remote_dir(run_id))
+    script = f"test -d {d} || {{ echo {P.STOPPED}; exit 0; }}; exec bash {d}/kill.sh"
 
     def kill(host: str) -> str:
         try:
@@ -249,7 +252,7 @@ def ignoring_interrupts() -> Iterator[None]:
 def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
     """Ask the chief's supervisor to stop the run (it stops every host and writes its result)."""
     try:
-        p = subprocess.run(ssh_argv(ssh_config, chief, "touch", f"{remote_dir(run_id)}/{P.STOP_REQUEST}"),
+        p = subprocess.run(ssh_argv(ssh_config, chief, "touch", sh_word(f"{remote_dir(run_id)}/{P.STOP_REQUEST}")),
                            capture_output=True, timeout=20, check=False, start_new_session=True)  # fmt: skip
     except subprocess.TimeoutExpired:
         return False
@@ -261,7 +264,7 @@ def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESU
     import json
 
     deadline = time.monotonic() + wait
-    f = f"{remote_dir(run_id)}/{P.RESULT}"
+    f = sh_word(f"{remote_dir(run_id)}/{P.RESULT}")
     script = f"for _ in $(seq 0 {int(wait * 5)}); do [ -e {f} ] && exec cat {f}; sleep 0.2; done"
     while True:
         try:
@@ -303,7 +306,7 @@ def follow(
     rank_tails: dict[int, deque[str]] = {}  # mpirun: each rank's own lines
     events: queue.Queue[tuple[str, str | None]] = queue.Queue()
     procs: dict[str, subprocess.Popen[str]] = {}
-    script = f"{remote_dir(run_id)}/follow.sh"
+    script = sh_word(f"{remote_dir(run_id)}/follow.sh")
 
     def reader(host: str) -> None:
         # Its own session: a Ctrl-C in the terminal reaches nodeops, which decides; not the ssh.
@@ -348,14 +351,15 @@ def follow(
                 st.exit_code = int(value) if value.lstrip("-").isdigit() else -1
                 st.ended_at = time.monotonic()
                 if st.exit_code == -1:
-                    st.lost_reason = "the job was stopped" if value == "killed" else f"the job {value}"
+                    st.stopped = value == "killed"
+                    st.lost_reason = "the job was stopped" if st.stopped else f"the job {value}"
             else:
                 st.tail.append(line)
                 emit(host, line)
                 prefixed = pdsh_split(line, addresses or {})
                 if prefixed is not None:
                     remote_tails.setdefault(prefixed[0], deque(maxlen=TAIL_LINES)).append(prefixed[1])
-                for rank, text in mpi_pieces(line) if rank_hosts else ():
+                for rank, text in mpi_pieces(line)[1] if rank_hosts else ():
                     rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
 
     if threading.current_thread() is threading.main_thread():
@@ -388,7 +392,7 @@ def follow(
     if not interrupted and not stopped:
         blame_peers(states, remote_tails, addresses or {})
         # a host the supervisor stopped is not a cause; what failed by itself is
-        root = root_cause([st for st in states.values() if st.lost_reason != "the job was stopped"])
+        root = root_cause([st for st in states.values() if not st.stopped])
         root = blame_mpi_rank(root, rank_tails, rank_hosts) if root is not None else None
         first = (result or {}).get("first_failure")
         if root is None and first:  # the supervisor saw what the logs did not (a lost host, say)
@@ -419,10 +423,11 @@ _MPI_FIRST = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
 _MPI_EXIT = re.compile(r"Exit code:\s+(-?\d+)")
 
 
-def mpi_pieces(line: str) -> list[tuple[int, str]]:
-    """Open MPI's --tag-output pieces of one physical line: (rank, text)."""
+def mpi_pieces(line: str) -> tuple[str, list[tuple[int, str]]]:
+    """Open MPI's --tag-output pieces of one physical line: the untagged text before the first
+    tag, and (rank, text) for each tagged piece."""
     parts = _MPI_TAG.split(line)
-    return [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
+    return parts[0], [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
 
 
 def blame_mpi_rank(root: HostState, rank_tails: dict[int, deque[str]], rank_hosts: Sequence[str]) -> HostState:

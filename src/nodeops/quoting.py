@@ -14,7 +14,7 @@ Each either quotes or raises :class:`QuotingError` for what the target cannot ca
 bash word, a line break in ssh_config). ``validate`` refuses such values earlier, with a line
 number; these checks are the last line of defence, not the user-facing error.
 
-This module is stdlib (plus PyYAML) only: the roles' filter plugin imports it too.
+Besides the stdlib it needs only PyYAML and nodeops.errors: the roles' filter plugin imports it too.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from typing import Any
 
 import yaml
 
+from nodeops.errors import NodeopsError
+
 __all__ = [
     "QuotingError",
     "ansible_yaml",
@@ -33,12 +35,14 @@ __all__ = [
     "sh_path",
     "sh_word",
     "ssh_config_value",
-    "unsafe",
 ]
 
 
-class QuotingError(ValueError):
-    pass
+class QuotingError(NodeopsError, ValueError):
+    """A value the target cannot carry. validate refuses these first; if one gets past it, this is
+    still a clear error with exit 2, never a traceback."""
+
+    exit_code = 2
 
 
 def _no_nul(value: str, what: str) -> str:
@@ -115,10 +119,6 @@ def ssh_config_value(value: str, *, tokens: bool = False) -> str:
 
 
 # --------------------------------------------------------------------------- Ansible
-class unsafe(str):  # lower case: reads like Ansible's own !unsafe
-    """A string Ansible must never template (dumped as ``!unsafe``)."""
-
-
 class _AnsibleDumper(yaml.SafeDumper):
     pass
 
@@ -126,39 +126,23 @@ class _AnsibleDumper(yaml.SafeDumper):
 def _represent_str(dumper: yaml.SafeDumper, data: str) -> yaml.Node:
     # Jinja acts only on "{{", "{%" and "{#": a string without "{" is inert, and stays plain so
     # that the rendered inventory reads as usual. Everything else is tagged !unsafe.
-    if isinstance(data, unsafe) or "{" in data:
+    if "{" in data:
         return dumper.represent_scalar("!unsafe", str(data), style="'" if "\n" not in data else '"')
     return dumper.represent_str(str(data))
 
 
-_AnsibleDumper.add_representer(unsafe, _represent_str)
 _AnsibleDumper.add_representer(str, _represent_str)
 
 
 def ansible_yaml(data: Any, **kw: Any) -> str:
     """YAML for Ansible (inventory, extra-vars files) that Ansible reads back as exactly the same
-    values and never templates: every string that holds a ``{`` (and every :class:`unsafe`) is
-    tagged ``!unsafe``, so ``{{ ... }}`` or ``{% ... %}`` in a spec value stays text wherever the
-    variable is used. Mapping keys stay plain (they are names that validate restricts)."""
-
-    def walk(x: Any) -> Any:
-        if isinstance(x, dict):
-            return {_Key(k) if isinstance(k, str) else k: walk(v) for k, v in x.items()}
-        if isinstance(x, list | tuple):
-            return [walk(v) for v in x]
-        return x
-
+    values and never templates: every string that holds a ``{`` is tagged ``!unsafe``, so
+    ``{{ ... }}`` or ``{% ... %}`` in a spec value stays text wherever the variable is used.
+    (Mapping keys are names that validate restricts, so they never hold ``{`` and stay plain.)"""
     kw.setdefault("sort_keys", False)
     kw.setdefault("default_flow_style", False)
     kw.setdefault("width", 1000)
-    return str(yaml.dump(walk(data), Dumper=_AnsibleDumper, allow_unicode=True, **kw))
-
-
-class _Key(str):
-    pass
-
-
-_AnsibleDumper.add_representer(_Key, lambda d, k: d.represent_scalar("tag:yaml.org,2002:str", str(k)))
+    return str(yaml.dump(data, Dumper=_AnsibleDumper, allow_unicode=True, **kw))
 
 
 class _AnsibleLoader(yaml.SafeLoader):

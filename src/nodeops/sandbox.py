@@ -324,7 +324,10 @@ def used_subnets() -> list[ipaddress.IPv4Network]:
     if ids:
         fmt = "{{range .IPAM.Config}}{{.Subnet}} {{end}}"
         found += docker("network", "inspect", "--format", fmt, *ids).split()
-    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=False).stdout
+    try:
+        routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True, text=True, check=False).stdout
+    except OSError:  # no iproute2 here: Docker's own networks are what can overlap
+        routes = ""
     found += [line.split()[0] for line in routes.splitlines() if line and line.split()[0][0].isdigit()]
     out: list[ipaddress.IPv4Network] = []
     for text in found:

@@ -30,7 +30,6 @@ from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec
 
 HOME = "@@HOME@@"
-STARTED = P.STARTED
 LAUNCH_SRC = Path(P.__file__).parent  # agent.py, protocol.py, supervisor.py: shipped as they are
 
 
@@ -136,7 +135,7 @@ def start_ssh(ssh_config: Path, run_id: str, files: dict[str, list[RunFile]], ti
                                capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
             return f"did not start within {timeout:.0f}s"
-        if p.returncode == 0 and STARTED in p.stdout:
+        if p.returncode == 0 and P.STARTED in p.stdout:
             return ""
         return last_line(p.stderr, f"exit {p.returncode}")
 
@@ -146,11 +145,11 @@ def start_ssh(ssh_config: Path, run_id: str, files: dict[str, list[RunFile]], ti
 def start_supervisor(ssh_config: Path, run_id: str, chief: str, timeout: float = 30) -> str:
     """Once every host has started: start the supervisor on the chief ('' when started)."""
     try:
-        p = subprocess.run(ssh_argv(ssh_config, chief, "bash", f"{P.run_dir(run_id)}/start.sh", "supervise"),
+        p = subprocess.run(ssh_argv(ssh_config, chief, "bash", sh_word(f"{P.run_dir(run_id)}/start.sh"), "supervise"),
                            capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
     except subprocess.TimeoutExpired:
         return f"the supervisor did not start within {timeout:.0f}s"
-    return "" if p.returncode == 0 and STARTED in p.stdout else last_line(p.stderr, f"exit {p.returncode}")
+    return "" if p.returncode == 0 and P.STARTED in p.stdout else last_line(p.stderr, f"exit {p.returncode}")
 
 
 def ansible_vars(run_id: str, files: dict[str, list[RunFile]]) -> dict[str, Any]:

@@ -18,7 +18,6 @@ RunArg = Annotated[
 
 
 _RANK_PREFIX = re.compile(r"\[rank\d+\]:")
-_MPI_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
 
 
 def emit_line(host: str, line: str) -> None:
@@ -31,21 +30,20 @@ def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None = None) -> 
     """emit_line, plus: for mpirun (all output arrives on the chief, tagged `[job,rank]<stdout>:`)
     the rank's own host and a `[rankN]:` prefix, like torchrun's lines; for deepspeed (pdsh
     prefixes each node's lines with `ADDRESS: `) the node's own host name."""
-    from nodeops.jobs import pdsh_split
+    from nodeops.jobs import mpi_pieces, pdsh_split
 
     if not rank_hosts and not pdsh_hosts:
         return emit_line
     pending: dict[int, str] = {}
 
     def emit(host: str, line: str) -> None:
-        if rank_hosts and _MPI_TAG.search(line):
+        head, pieces = mpi_pieces(line) if rank_hosts else ("", [])
+        if pieces:
             # Open MPI tags every chunk a rank writes, so one physical line can hold the pieces of
             # several ranks' lines ("[1,1]<stdout>:a[1,0]<stdout>:b"); the newline that ends the
             # physical line belongs to its last piece. Reassemble each rank's lines.
-            parts = _MPI_TAG.split(line)
-            if parts[0]:
-                emit_line(host, parts[0])
-            pieces = [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
+            if head:
+                emit_line(host, head)
             for n, (rank, text) in enumerate(pieces):
                 pending[rank] = pending.get(rank, "") + text
                 if n == len(pieces) - 1:

@@ -103,11 +103,8 @@ def launch(
     with errors():
         loaded = load_spec(spec)
         if not user_argv and script is None:
-            fail("error: nothing to run; give the training script after `--`, e.g. -- train.py", EXIT_SPEC)
+            fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
         s = loaded.spec
-        # Connection data only: launch sends no env values (the ranks read env.sh and secrets.env
-        # that setup wrote), so from_env and secret variables need not be exported here.
-        inv = inventory(loaded, None)
         if not no_check:
             preflight(loaded)
         run_id = jobs.new_run_id()
@@ -121,13 +118,14 @@ def launch(
             hostfile_path=f"@@HOME@@/.nodeops/{loaded.cluster_name}/hostfile",
         )  # fmt: skip
         started = [h.host for h in plan if h.argv]
+        all_hosts = [h.host for h in plan]
         addresses = {n.address: s.alias(n) for n in s.nodes}
         rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []  # mpirun's tagged lines
         pdsh_hosts = addresses if s.launch.runner == "deepspeed" else {}  # pdsh's address prefixes
         chief = s.alias(s.chief)
         job = jobs.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
                        spec=str(spec.resolve()), started=time.time(), rank_hosts=rank_hosts,
-                       all_hosts=[h.host for h in plan], pdsh_hosts=pdsh_hosts)  # fmt: skip
+                       all_hosts=all_hosts, pdsh_hosts=pdsh_hosts)  # fmt: skip
         job.save()
         err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
         t0 = time.monotonic()
@@ -140,7 +138,10 @@ def launch(
                     bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
                 else:
                     extravars = starter.ansible_vars(run_id, files)
-                    result = run_playbook("launch.yml", inv, kind="launch", extravars=extravars)
+                    # Connection data only: launch sends no env values (the ranks read env.sh and
+                    # secrets.env that setup wrote), so from_env variables need not be exported.
+                    result = run_playbook("launch.yml", inventory(loaded, None), kind="launch",
+                                          extravars=extravars)  # fmt: skip
                     bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values()
                            if hr.status != "ok"}  # fmt: skip
                 if not bad:  # every host started: now the supervisor, which attaches to all of them
@@ -149,13 +150,13 @@ def launch(
         except KeyboardInterrupt:
             # Every start has returned (the pool waits for them): stop what did start, everywhere.
             with jobs.ignoring_interrupts():
-                left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
+                left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
             fail(f"==> run {run_id} interrupted while starting; {teardown_summary(left)}", 130)
         if bad:
             for host, why in bad.items():
                 err(f"{host}: {why}")
             with jobs.ignoring_interrupts():
-                left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
+                left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
             fail(f"launch failed on {', '.join(bad)}; {teardown_summary(left)}", EXIT_FAILURE)
         if detach:
             err(f"==> started in {time.monotonic() - t0:.1f}s; detached")
@@ -165,13 +166,12 @@ def launch(
         err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
         emit = emitter(rank_hosts, pdsh_hosts)
         try:
-            kill_hosts = [h.host for h in plan]
-            res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=kill_hosts,
+            res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=all_hosts,
                               addresses=addresses, rank_hosts=rank_hosts)  # fmt: skip
         except KeyboardInterrupt:  # in the instant before follow() took over Ctrl-C
             with jobs.ignoring_interrupts():
                 jobs.request_stop(local / "ssh_config", chief, run_id)
-                left = jobs.teardown(local / "ssh_config", [h.host for h in plan], run_id)
+                left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
             fail(f"==> run {run_id} interrupted; {teardown_summary(left)}", 130)
         (local / "result.json").write_text(json.dumps({
             "hosts": {h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},

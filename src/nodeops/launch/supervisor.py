@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -64,7 +65,9 @@ class Link:
                 argv += ["-o", o]
             if host.get("user"):
                 argv += ["-l", host["user"]]
-            argv += [host["address"], f"python3 {P.run_dir(run_id)}/agent.py guard {' '.join(flags)}"]
+            # ssh joins its arguments into one shell line on the host: quote each word (this file is
+            # shipped stdlib-only, so shlex here; nodeops.quoting.sh_word is the same function)
+            argv += [host["address"], shlex.join(["python3", f"{P.run_dir(run_id)}/agent.py", "guard", *flags])]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      universal_newlines=True, start_new_session=True)  # fmt: skip
         self.lock = threading.Lock()
