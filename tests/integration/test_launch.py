@@ -30,6 +30,18 @@ def launch(spec: Path, *args: str, timeout: int = 300) -> subprocess.CompletedPr
                           check=False, env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
 
 
+def variant_spec(project: Path, path: Path, text: str | None = None, extra: str = "",
+                 replace: tuple[str, str] | None = None) -> Path:  # fmt: skip
+    """A variant of the project's spec (text, default the project's own; one replacement, which
+    must take; extra appended) written to path; its workdir still syncs from the project dir."""
+    text = (project / "cluster.yaml").read_text() if text is None else text
+    if replace is not None:
+        text = text.replace(*replace, 1)
+        assert replace[1] in text, f"the variant's replacement did not apply: {replace[0]!r}"
+    path.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1) + extra)
+    return path
+
+
 def leftovers(sb: sandbox.Sandbox, pattern: re.Pattern[str] = JOB) -> dict[str, list[str]]:
     """Processes of a run still alive in each node container (seen with ps, from outside ssh)."""
     out = {}
@@ -100,14 +112,11 @@ def test_torchrun_3x1_every_rank_reports_the_same_hash(project: Path, first_run:
 
 
 def test_heterogeneous_2_1_1_uses_c10d_via_the_playbook(project: Path, first_run: object, tmp_path: Path) -> None:
-    text = (
-        (project / "cluster.yaml")
-        .read_text()
-        .replace("    cpus: [0]\n    chief: true\n", "    cpus: [0]\n    nproc: 2\n    chief: true\n", 1)
+    spec = variant_spec(
+        project,
+        tmp_path / "hetero.yaml",
+        replace=("    cpus: [0]\n    chief: true\n", "    cpus: [0]\n    nproc: 2\n    chief: true\n"),
     )
-    assert "nproc: 2" in text
-    spec = tmp_path / "hetero.yaml"
-    spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1))
     p = launch(spec, "--via", "ansible", "--", "ddp_train.py", "--steps", "3")  # the playbook transport
     assert p.returncode == 0, p.stderr[-3000:]
     assert "(via ansible)" in p.stderr
@@ -254,10 +263,7 @@ def test_mpirun_3x1_every_rank_reports_the_same_hash(
 ) -> None:
     """mpirun once from the chief: setup installs openmpi-bin, ranks map OMPI_* to env:// names
     through the shim, and each rank's lines come back under its own host."""
-    spec = tmp_path / "mpi.yaml"
-    text = (project / "cluster.yaml").read_text()
-    spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1)
-                    + "launch: {runner: mpirun}\n")  # fmt: skip
+    spec = variant_spec(project, tmp_path / "mpi.yaml", extra="launch: {runner: mpirun}\n")
     s = subprocess.run([NODEOPS, "setup", str(spec)], capture_output=True, text=True, timeout=900, check=False,
                        env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
     assert s.returncode == 0, s.stderr[-3000:]
@@ -294,9 +300,7 @@ def test_deepspeed_3x1_through_pdsh_and_a_dead_rank_stops_everything(
     # DeepSpeed's runner puts every MLFLOW*/NCCL*/... variable on pdsh's command line: a secret so
     # named must never get there.
     text = text.replace("env:\n", "env:\n  MLFLOW_TRACKING_PASSWORD: {from_env: NODEOPS_IT_SECRET, secret: true}\n", 1)
-    spec = tmp_path / "ds.yaml"
-    spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1)
-                    + "launch: {runner: deepspeed}\n")  # fmt: skip
+    spec = variant_spec(project, tmp_path / "ds.yaml", text, "launch: {runner: deepspeed}\n")
     s = subprocess.run([NODEOPS, "setup", str(spec)], capture_output=True, text=True, timeout=900, check=False,
                        env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
     assert s.returncode == 0, s.stderr[-3000:]
@@ -432,14 +436,11 @@ def test_shared_envs_reach_the_job_expanded_as_on_autodist(project: Path, first_
     setup's env.sh and launch's job script alike; command substitution was refused earlier."""
     probe = "    print('ENVS=' + os.environ['IT_PATH'] + '|' + os.environ['IT_LIT'])\n"
     (project / "envs.py").write_text("import os\nif os.environ['RANK'] == '0':\n" + probe)
-    text = (
-        (project / "cluster.yaml")
-        .read_text()
-        .replace("  sandbox:\n", "  sandbox:\n    shared_envs: {IT_PATH: '$HOME/bin:${PATH}', IT_LIT: 'a b $'}\n", 1)
+    spec = variant_spec(
+        project,
+        tmp_path / "envs.yaml",
+        replace=("  sandbox:\n", "  sandbox:\n    shared_envs: {IT_PATH: '$HOME/bin:${PATH}', IT_LIT: 'a b $'}\n"),
     )
-    assert "shared_envs" in text
-    spec = tmp_path / "envs.yaml"
-    spec.write_text(text.replace("workdir:\n", "workdir:\n  source: " + str(project) + "\n", 1))
     env = {**os.environ, "NODEOPS_IT_SECRET": SECRET}
     try:
         s = subprocess.run([NODEOPS, "setup", str(spec), "--tags", "nccl_env,shared_path"], capture_output=True,

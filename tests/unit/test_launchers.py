@@ -168,7 +168,7 @@ def test_mpirun_failure_names_the_failing_ranks_own_host_and_lines() -> None:
     ])  # fmt: skip
     rank_tails: dict[int, deque[str]] = {}
     for line in root.tail:
-        for rank, text in jobs.mpi_pieces(line):
+        for rank, text in jobs.mpi_pieces(line)[1]:
             rank_tails.setdefault(rank, deque()).append(text)
     blamed = jobs.blame_mpi_rank(root, rank_tails, ["node1", "node2", "node3"])
     assert (blamed.host, blamed.exit_code, list(blamed.tail)) == ("node3 [rank2]", 1, ["FAILING on purpose"])

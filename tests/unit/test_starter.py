@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from nodeops import launchers, starter
+from nodeops.launch import protocol as P
 from nodeops.spec import LoadedSpec, load_spec_text
 
 SPEC = """
@@ -58,7 +59,7 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     p = subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True, timeout=30, check=False,
                        env={**os.environ, "HOME": str(tmp_path), "NODEOPS_TEST": "t1"})  # fmt: skip
     assert p.returncode == 0, p.stderr
-    assert starter.STARTED in p.stdout
+    assert P.STARTED in p.stdout
     d = tmp_path / ".nodeops" / "runs" / "20261122-101500-ab12"
     assert oct(d.stat().st_mode & 0o777) == "0o700"
     deadline = time.monotonic() + 10
@@ -70,4 +71,4 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     # run twice: the job is not started again
     again = subprocess.run(["bash", str(d / "start.sh")], capture_output=True, text=True, check=True,
                            env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
-    assert starter.STARTED in again.stdout and (d / "host.log").read_text() == "hello from t1\n"
+    assert P.STARTED in again.stdout and (d / "host.log").read_text() == "hello from t1\n"
