@@ -26,7 +26,6 @@ from nodeops.quoting import sh_word
 from nodeops.spec import LoadedSpec, ResourceSpec
 
 OK, WARN, FAIL = "ok", "warn", "fail"
-WORKDIR_EXCLUDE = [".git", ".venv", "venv", "__pycache__", ".nodeops", ".deepspeed_env"]  # setup's rsync excludes
 BRIDGE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "vxlan", "lxc")
 CLOCK_WARN_S = 1.0
 NOFILE_WARN = 8192  # the usual soft default is 1024; env.sh raises soft to hard for jobs
@@ -91,20 +90,25 @@ def ports(spec: ResourceSpec) -> list[int]:
 
 def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dict[str, Any]:
     """What the chief runs: its listeners, and per node how to reach it and what to probe."""
+    from nodeops import workdir
     from nodeops.render import activation
 
     spec = loaded.spec
     wd = spec.workdir.path if spec.workdir is not None else None
+    manifest = workdir.source_manifest(loaded)
     nodes = []
     for node in spec.ranked_nodes():
         group = spec.group(node)
         nodes.append({
             "name": spec.alias(node), "address": node.address, "port": group.port, "user": group.username or "",
-            "plan": {"workdir": wd, "exclude": WORKDIR_EXCLUDE, "activate": activation(spec, node), "fast": fast,
-                     "env_file": f".nodeops/{loaded.cluster_name}/env.sh"},
+            "plan": {"workdir": wd, "exclude": workdir.excludes(loaded), "activate": activation(spec, node),
+                     "fast": fast, "env_file": f".nodeops/{loaded.cluster_name}/env.sh"},
         })  # fmt: skip
-    return {"mode": "chief", "nonce": secrets.token_hex(8), "ports": ports(spec), "timeout": timeout,
-            "chief_address": spec.chief.address, "nodes": nodes}  # fmt: skip
+    out = {"mode": "chief", "nonce": secrets.token_hex(8), "ports": ports(spec), "timeout": timeout,
+           "chief_address": spec.chief.address, "nodes": nodes}  # fmt: skip
+    if manifest is not None:
+        out["manifest"] = {"code": workdir.manifest_path().read_text(), "manifest": manifest}
+    return out
 
 
 def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dict[str, Any]:
@@ -220,6 +224,7 @@ def _node_rows(
         else:
             status = FAIL if spec.launch.runner in ("torchrun", "deepspeed") else WARN
             rows.append(Row(h, "torch", status, f"cannot import torch: {env.get('torch_error', '?')}"))
+    rows += _workdir_rows(spec, h, f, v)  # the fast subset too: launch must not run a stale copy
     if fast:
         return rows
     route = f.get("route", {})
@@ -243,13 +248,6 @@ def _node_rows(
         rows.append(Row(h, "clock", status, f"offset to the chief {off * 1000:+.1f} ms"
                                              + ("; sync clocks (chrony/ntp)" if status == WARN else "")))  # fmt: skip
     rows.append(_gpu_row(node, h, f, env, v))
-    wd = f.get("workdir")
-    if wd is not None:
-        if not wd.get("exists"):
-            rows.append(Row(h, "workdir", FAIL, f"{spec.workdir.path if spec.workdir else ''} does not exist; "
-                                                "run `nodeops setup`"))  # fmt: skip
-        elif "hash" in wd:
-            v["workdir hash"] = str(wd["hash"])
     soft = (env.get("nofile") or f.get("nofile") or [0, 0])[0]  # as a job gets it (env.sh may raise it)
     rows.append(Row(h, "ulimit -n", WARN if soft < NOFILE_WARN else OK,
                     f"{soft}" + (f" (< {NOFILE_WARN}; DataLoader workers and NCCL can run out)" if soft < NOFILE_WARN
@@ -267,6 +265,27 @@ def _node_rows(
     rows.append(Row(h, "disk", status, f"{_gib(free)} free in {disk.get('path')}"))
     if not f.get("env_file"):
         rows.append(Row(h, "env file", WARN, "no cluster env file (NCCL/GLOO settings); run `nodeops setup`"))
+    return rows
+
+
+def _workdir_rows(spec: ResourceSpec, h: str, f: dict[str, Any], v: dict[str, str]) -> list[Row]:
+    rows: list[Row] = []
+    wd = f.get("workdir")
+    if wd is not None:
+        if not wd.get("exists"):
+            rows.append(Row(h, "workdir", FAIL, f"{spec.workdir.path if spec.workdir else ''} does not exist; "
+                                                "run `nodeops setup`"))  # fmt: skip
+        elif "manifest" in wd:
+            m = wd["manifest"]
+            src = m.get("source") or "the source"
+            if m.get("same"):
+                rows.append(Row(h, "workdir", OK, str(m.get("summary"))))
+            else:
+                rows.append(Row(h, "workdir", FAIL, f"differs from {src} on this machine: {m.get('summary')}; "
+                                                    "run `nodeops setup SPEC --tags shared_path`, or launch with "
+                                                    "--sync"))  # fmt: skip
+        elif "hash" in wd:
+            v["workdir hash"] = str(wd["hash"])
     return rows
 
 

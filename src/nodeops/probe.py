@@ -17,6 +17,7 @@ environment value is reported except the socket interface names.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -36,6 +37,7 @@ BOOT = (
     "exec(compile(d['source'],'nodeops-probe','exec'),g);g['main'](d)"
 )
 CONNECT_TIMEOUT = 3.0
+FANOUT = 64  # nodes the chief probes at once
 HASH_BUDGET = 2 << 30  # bytes read for the workdir hash; beyond it, size+mtime stand in for content
 
 # Runs inside the activated env: what torch, the interpreter and the packages are.
@@ -227,7 +229,14 @@ def node_facts(plan: dict[str, Any]) -> dict[str, Any]:
     f["disk_free"] = {"path": where, "bytes": st.f_bavail * st.f_frsize}
     if wd:
         f["workdir"] = {"exists": os.path.isdir(wd)}
-        if os.path.isdir(wd) and not plan.get("fast"):
+        manifest = plan.get("manifest")
+        if manifest and os.path.isdir(wd):
+            # rsync mode: compare with the controller's source; outputs on the node do not count.
+            ns: dict[str, Any] = {}
+            exec(compile(manifest["code"], "nodeops-manifest", "exec"), ns)
+            f["workdir"]["manifest"] = ns["compare"](wd, manifest["manifest"])
+            f["workdir"]["manifest"]["summary"] = ns["summary"](f["workdir"]["manifest"])
+        elif os.path.isdir(wd) and not plan.get("fast"):
             f["workdir"].update(tree_hash(wd, plan.get("exclude", [])))
     f["route"] = route_to(plan["chief_address"])
     f["ports"] = {str(p): connect(plan["chief_address"], p, plan["nonce"], plan["name"]) for p in plan["ports"]}
@@ -309,15 +318,13 @@ def chief_main(d: dict[str, Any]) -> dict[str, Any]:
 
     def one(node: dict[str, Any]) -> None:
         node_plan = dict(node["plan"], mode="node", name=node["name"], nonce=plan["nonce"], ports=plan["ports"],
-                         chief_address=plan["chief_address"])  # fmt: skip
+                         chief_address=plan["chief_address"], manifest=plan.get("manifest"))  # fmt: skip
         results[node["name"]] = probe_node(node, {"source": d["source"], "plan": node_plan},
                                            plan.get("timeout", 120))  # fmt: skip
 
-    threads = [threading.Thread(target=one, args=(n,), daemon=True) for n in plan["nodes"]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    # Bounded: the chief holds one ssh process (and its fds) per node in flight.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(FANOUT, max(1, len(plan["nodes"])))) as pool:
+        list(pool.map(one, plan["nodes"]))
     for lst in listeners:
         lst.close()
     return {

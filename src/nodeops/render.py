@@ -90,7 +90,9 @@ def cluster_env(spec: ResourceSpec, environ: Mapping[str, str] | None) -> dict[s
 
 def host_vars(spec: ResourceSpec, node: Node, rank: int, spec_dir: Path) -> dict[str, Any]:
     group = spec.group(node)
-    hv: dict[str, Any] = {"ansible_host": node.address, "ansible_port": group.port}
+    hv: dict[str, Any] = {"ansible_host": node.address, "ansible_port": group.port,
+                          "ansible_python_interpreter": "auto_silent" if group.node_python == "auto"
+                          else group.node_python}  # fmt: skip
     if group.username:
         hv["ansible_user"] = group.username
     if group.key_file:
@@ -152,7 +154,6 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
         "nodeops_hostfile_hosts": [{"host": n.address, "slots": spec.nproc(n)} for n in ranked],
         "nodeops_system_packages": system_packages(spec),
         "nodeops_mesh_mode": spec.mesh.mode,
-        "ansible_python_interpreter": "auto_silent",
     }
     if spec.mesh.key_file:
         all_vars["nodeops_mesh_key_file"] = controller_path(spec.mesh.key_file, loaded.spec_dir)

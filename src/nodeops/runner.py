@@ -55,6 +55,8 @@ class HostResult:
     skipped: int = 0
     task: str = ""  # the task this host is on (for progress) or last ran
     errors: list[str] = field(default_factory=list)
+    diffs: list[str] = field(default_factory=list)  # unified diffs of changed files (--diff)
+    in_play: bool = False  # False for hosts --limit left out
 
     @property
     def status(self) -> str:
@@ -191,7 +193,8 @@ def run_playbook(
     """
     import ansible_runner  # type: ignore[import-untyped]  # lazy: ~0.3 s to import; only setup/launch/check need it
 
-    hosts_all = _inventory_hosts(inventory)
+    host_vars = _inventory_host_vars(inventory)
+    hosts_all = list(host_vars)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     pdd = runs_dir() / f"{kind}-{stamp}-{_secrets.token_hex(3)}"
     pdd.mkdir(mode=0o700)
@@ -233,10 +236,13 @@ def run_playbook(
             hr = results[host]
             if name == "runner_on_start":
                 hr.task = data.get("task", "")
+                hr.in_play = True
+            elif name == "runner_on_ok" and diff and (data.get("res") or {}).get("changed"):
+                hr.diffs += unified_diffs(data.get("task", ""), (data.get("res") or {}).get("diff"))
             elif name == "runner_on_failed" and not data.get("ignore_errors"):
                 hr.errors.append(f"{data.get('task', '')}: {_event_error(data.get('res') or {})}")
             elif name == "runner_on_unreachable":
-                hr.errors.append(f"unreachable: {_event_error(data.get('res') or {})}")
+                hr.errors.append(f"unreachable: {unreachable_error(data.get('res') or {}, host_vars[host], host)}")
             if on_update:
                 on_update(results)
         return True
@@ -280,23 +286,56 @@ def run_playbook(
         for host, count in ((r.stats or {}).get(stat) or {}).items():
             if host in results:
                 setattr(results[host], attr, count)
-    for hr in results.values():
+    for host, hr in results.items():
         hr.task = ""
+        hr.in_play = hr.in_play or any(host in ((r.stats or {}).get(k) or {}) for k in ("ok", "dark", "failures"))
     if on_update:
         on_update(results)
     return RunResult(rc=r.rc, status=r.status, hosts=results, private_data_dir=pdd, seconds=time.monotonic() - t0)
 
 
-def _inventory_hosts(inventory: Mapping[str, Any]) -> list[str]:
-    out: list[str] = []
+def unified_diffs(task: str, diff: Any) -> list[str]:
+    """Ansible's ``diff`` result (a dict or a list of them) as unified diffs, one per file."""
+    import difflib
+
+    out = []
+    for d in diff if isinstance(diff, list) else [diff] if isinstance(diff, dict) else []:
+        before, after = d.get("before"), d.get("after")
+        if not isinstance(before, str) or not isinstance(after, str) or before == after:
+            if d.get("prepared"):
+                out.append(f"{task}:\n{d['prepared']}")
+            continue
+        head_a = str(d.get("before_header") or "before")
+        head_b = str(d.get("after_header") or "after")
+        lines = difflib.unified_diff(before.splitlines(keepends=True), after.splitlines(keepends=True),
+                                     f"{head_a} (now)", f"{head_b} (wanted)")  # fmt: skip
+        out.append(f"{task}:\n" + "".join(ln if ln.endswith("\n") else ln + "\n" for ln in lines))
+    return out
+
+
+def _inventory_host_vars(inventory: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    out: dict[str, Mapping[str, Any]] = {}
 
     def walk(group: Mapping[str, Any]) -> None:
-        for h in group.get("hosts") or {}:
-            if h not in out:
-                out.append(h)
+        for h, hv in (group.get("hosts") or {}).items():
+            out.setdefault(h, hv or {})
         for child in (group.get("children") or {}).values():
             walk(child or {})
 
     for group in inventory.values():
         walk(group or {})
     return out
+
+
+def _inventory_hosts(inventory: Mapping[str, Any]) -> list[str]:
+    return list(_inventory_host_vars(inventory))
+
+
+def unreachable_error(res: Mapping[str, Any], hv: Mapping[str, Any], host: str) -> str:
+    """ssh's own line when Ansible has it; else (mitogen says only "Connection timed out.") one
+    in the same form, naming the address and port."""
+    err = _event_error(res)
+    if err.startswith(("ssh:", "Host key")):
+        return err
+    err = err.removeprefix("Task failed: ").strip().rstrip(".")
+    return f"ssh: connect to host {hv.get('ansible_host', host)} port {hv.get('ansible_port', 22)}: {err}"

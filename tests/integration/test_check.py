@@ -61,7 +61,7 @@ def test_healthy_cluster_is_all_ok(project: Path, first_run: object) -> None:
     assert doc["diff"] == {}
     for h in ("node1", "node2", "node3"):
         got = rows(doc, h, "ok")
-        want = {"ssh", "port 29500", "python env", "torch", "interface", "clock", "workdir hash", "packages"}
+        want = {"ssh", "port 29500", "python env", "torch", "interface", "clock", "workdir", "packages"}
         assert want - ({"packages"} if h == "node1" else set()) <= set(got), got  # the chief is the reference
         assert "2.13.0" in got["torch"]
         assert got["interface"].startswith("eth0")
@@ -109,8 +109,37 @@ def test_workdir_file_changed_on_one_node(sandbox_cluster: sandbox.Sandbox, proj
         code, doc, err = check(project / "cluster.yaml")
     assert code == 1, err
     assert list(failing(doc)) == ["node3"], failing(doc)
-    assert "on the chief node1" in failing(doc)["node3"]["workdir hash"]
-    assert "workdir hash" in doc["diff"]
+    # Compared with the controller's source (rsync mode), naming the file and the fix.
+    detail = failing(doc)["node3"]["workdir"]
+    assert f"differs from {project}" in detail and "1 file(s) differ from the source (data/config.json)" in detail
+    assert "--tags shared_path" in detail and "--sync" in detail
+
+
+def test_stale_workdir_is_refused_by_launch_until_synced(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    """Issue 17, item 9: after editing a file in the source, launch's preflight names the
+    difference instead of running the old copy; `launch --sync` copies first, then runs."""
+    train = project / "train.py"
+    old = train.read_text()
+    train.write_text("print('train v2')\n")
+    try:
+        p = subprocess.run([NODEOPS, "launch", str(project / "cluster.yaml"), "--", "train.py"],
+                           capture_output=True, text=True, timeout=300, check=False,
+                           env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+        assert p.returncode == 1, p.stderr
+        assert "workdir: differs from" in p.stderr and "(train.py)" in p.stderr, p.stderr
+        assert "nothing was started" in p.stderr
+        p = subprocess.run([NODEOPS, "launch", str(project / "cluster.yaml"), "--sync", "--", "train.py"],
+                           capture_output=True, text=True, timeout=300, check=False,
+                           env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        assert "workdir synced" in p.stderr and "copied to node1, node2, node3" in p.stderr, p.stderr
+        assert p.stdout.count("train v2") == 3, p.stdout
+    finally:
+        train.write_text(old)
+        subprocess.run([NODEOPS, "setup", str(project / "cluster.yaml"), "--tags", "shared_path"],
+                       capture_output=True, timeout=600, check=False)  # fmt: skip
 
 
 def test_venv_removed_on_one_node(sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object) -> None:

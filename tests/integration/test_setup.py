@@ -6,6 +6,7 @@ The tests in this module share one setup run (module fixture) and then look at t
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -94,6 +95,93 @@ def test_second_setup_changes_nothing(project: Path, first_run: object) -> None:
     assert "setup ok: 3 host(s), 0 change(s)" in p.stderr, p.stderr
     for host in ("node1", "node2", "node3"):
         assert re.search(rf"│ {host} +│ \d+ +│ 0 +│ 0 +│ 0 +│", p.stderr), p.stderr
+
+
+SAVE_CKPT = """\
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+if dist.get_rank() == 0:  # as most training scripts do: rank 0 writes into the working dir
+    os.makedirs("checkpoints", exist_ok=True)
+    torch.save({"w": torch.ones(3)}, "checkpoints/model.pt")
+    with open("train.log", "w") as f:
+        f.write("step 1 loss 0.5\\n")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_job_outputs_never_break_setup_or_check(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    """Issue 12: a job's outputs in the chief's workdir used to fail every later setup (parity
+    hashed the whole dir). Now nodes are compared with the source; outputs are kept."""
+    env = {"NODEOPS_IT_SECRET": SECRET}
+    (project / "save_ckpt.py").write_text(SAVE_CKPT)
+    try:
+        assert setup(project / "cluster.yaml", env=env).returncode == 0
+        p = subprocess.run([NODEOPS, "launch", str(project / "cluster.yaml"), "--", "save_ckpt.py"],
+                           capture_output=True, text=True, timeout=300, check=False,
+                           env={**os.environ, **env})  # fmt: skip
+        assert p.returncode == 0, p.stdout + p.stderr
+        outputs = f"sha256sum {WORKDIR}/checkpoints/model.pt {WORKDIR}/train.log"
+        before = ssh(sandbox_cluster, "node1", outputs)
+        assert before.returncode == 0, before.stderr
+        p = setup(project / "cluster.yaml", env=env)
+        assert p.returncode == 0, p.stderr
+        assert "setup ok: 3 host(s), 0 change(s)" in p.stderr, p.stderr
+        c = subprocess.run([NODEOPS, "check", str(project / "cluster.yaml"), "--json"], capture_output=True,
+                           text=True, timeout=300, check=False, env={**os.environ, **env})  # fmt: skip
+        assert c.returncode == 0, c.stdout + c.stderr
+        hosts = json.loads(c.stdout)["hosts"]
+        workdir = {h: next(r for r in rows if r["check"] == "workdir") for h, rows in hosts.items()}
+        assert all(r["status"] == "ok" for r in workdir.values()), workdir
+        assert "2 file(s) only here (outputs, kept)" in workdir["node1"]["detail"], workdir
+        assert ssh(sandbox_cluster, "node1", outputs).stdout == before.stdout  # kept byte for byte
+    finally:
+        (project / "save_ckpt.py").unlink()
+        ssh(sandbox_cluster, "node1", f"rm -rf {WORKDIR}/checkpoints {WORKDIR}/train.log")
+
+
+def test_drift_on_one_node_is_detected_and_repaired(sandbox_cluster: sandbox.Sandbox, project: Path,
+                                                    first_run: object) -> None:  # fmt: skip
+    """A no-op re-run reads less, but still finds and repairs drift: a changed env file, a
+    missing key line, a changed package and a changed workdir file, each on one node."""
+    env = {"NODEOPS_IT_SECRET": SECRET}
+    assert setup(project / "cluster.yaml", env=env).returncode == 0
+    sb, name = sandbox_cluster, sandbox_cluster.name
+    env_sh = f"~/.nodeops/{name}/env.sh"
+    good_env = ssh(sb, "node2", f"cat {env_sh}").stdout
+    assert ssh(sb, "node2", f"echo 'export OOPS=1' >> {env_sh}").returncode == 0
+    assert ssh(sb, "node3", f"sed -i '/nodeops-{name}@node1$/d' ~/.ssh/authorized_keys").returncode == 0
+    assert ssh(sb, "node3", "~/.venvs/train/bin/python -m pip uninstall -y -q filelock").returncode == 0
+    assert ssh(sb, "node2", f"echo tampered > {WORKDIR}/train.py").returncode == 0
+    p = setup(project / "cluster.yaml", env=env)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"│ node2 +│ \d+ +│ [1-9]", p.stderr) and re.search(r"│ node3 +│ \d+ +│ [1-9]", p.stderr), p.stderr
+    assert ssh(sb, "node2", f"cat {env_sh}").stdout == good_env
+    assert ssh(sb, "node1", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes node3 true").returncode == 0
+    assert ssh(sb, "node3", "~/.venvs/train/bin/python -c 'import filelock'").returncode == 0
+    assert ssh(sb, "node2", f"cat {WORKDIR}/train.py").stdout == (project / "train.py").read_text()
+    p = setup(project / "cluster.yaml", env=env)
+    assert "setup ok: 3 host(s), 0 change(s)" in p.stderr, p.stderr
+
+
+def test_limited_run_keeps_every_pinned_node(sandbox_cluster: sandbox.Sandbox, project: Path,
+                                             first_run: object) -> None:  # fmt: skip
+    """Issue 17, item 1: `--limit node3 --tags ssh_mesh` must not drop node2 from the chief's
+    pinned known_hosts block; the chief still reaches every node with strict checking."""
+    env = {"NODEOPS_IT_SECRET": SECRET}
+    assert setup(project / "cluster.yaml", env=env).returncode == 0
+    before = ssh(sandbox_cluster, "node1", "cat ~/.ssh/known_hosts").stdout
+    p = setup(project / "cluster.yaml", "--limit", "node3", "--tags", "ssh_mesh", env=env)
+    assert p.returncode == 0, p.stderr
+    assert ssh(sandbox_cluster, "node1", "cat ~/.ssh/known_hosts").stdout == before
+    for node in sandbox_cluster.nodes:
+        q = ssh(sandbox_cluster, "node1", f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {node.address} true")
+        assert q.returncode == 0, (node.name, q.stderr)
 
 
 def test_missing_secret_is_exit_2_before_any_host(project: Path, first_run: object) -> None:

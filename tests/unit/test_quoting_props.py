@@ -124,7 +124,7 @@ def render_env_sh(env_vars: dict[str, str], shared: dict[str, str], nccl: dict[s
     return j.from_string(tpl).render(
         nccl_env_cluster="c", inventory_hostname="h", _nccl_env_ifname="eth0", nccl_env_raise_nofile=False,
         nccl_env_ib="off", nccl_env_nccl_vars=nccl, nccl_env_vars=env_vars, nccl_env_shared_envs=shared,
-        _nccl_env_dirstat={"path": str(secrets_path.parent)},
+        _nccl_env_dir_abs=str(secrets_path.parent),
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -82,6 +83,14 @@ def launch(
     no_check: Annotated[
         bool, typer.Option("--no-check", help="Skip the preflight (ssh from the chief, ports, version parity).")
     ] = False,
+    sync: Annotated[
+        bool,
+        typer.Option(
+            "--sync",
+            help="First copy the workdir source to the nodes that differ (setup's "
+            "shared_path role; outputs on the nodes are kept).",
+        ),
+    ] = False,
 ) -> None:
     """Start training on every host: torchrun per host, or mpirun/deepspeed from the chief.
 
@@ -105,6 +114,8 @@ def launch(
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
         s = loaded.spec
+        if sync:
+            sync_workdir(loaded)
         if not no_check:
             preflight(loaded)
         run_id = jobs.new_run_id()
@@ -239,6 +250,32 @@ def supervised_hosts(spec: ResourceSpec, started: list[str]) -> list[dict[str, o
         out.append({"name": name, "address": node.address, "port": group.port, "user": group.username or "",
                     "local": node is spec.chief, "job": name in started})  # fmt: skip
     return out
+
+
+def sync_workdir(loaded: LoadedSpec) -> None:
+    """`launch --sync`: setup's shared_path role alone, on every host."""
+    from nodeops.render import inventory
+    from nodeops.runner import run_playbook
+
+    wd = loaded.spec.workdir
+    if wd is None or wd.sync != "rsync":
+        fail("error: --sync copies an rsync workdir; the spec has " + ("no workdir" if wd is None else
+             f"workdir.sync: {wd.sync}"), EXIT_SPEC)  # fmt: skip
+    t0 = time.monotonic()
+    result = run_playbook("setup.yml", inventory(loaded, os.environ), kind="sync", tags=["shared_path"])
+    if not result.ok:
+        for hr in result.hosts.values():
+            for e in hr.errors:
+                err(f"{hr.host}: {e}")
+        bad = [h.host for h in result.hosts.values() if h.status != "ok"]
+        fail(f"--sync failed on {', '.join(bad) or 'the controller'}; nothing was started "
+             f"(artifacts: {result.private_data_dir})", EXIT_FAILURE)  # fmt: skip
+    copied = [h.host for h in result.hosts.values() if h.changed]
+    err(
+        f"==> workdir synced in {time.monotonic() - t0:.1f}s ("
+        + (f"copied to {', '.join(copied)}" if copied else "every node already had the source")
+        + ")"
+    )
 
 
 def preflight(loaded: LoadedSpec) -> None:

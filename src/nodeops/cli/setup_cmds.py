@@ -31,15 +31,23 @@ def _progress_table(results: dict[str, HostResult]) -> object:
     return table
 
 
-def print_summary(result: RunResult, title: str) -> None:
+def print_summary(result: RunResult, title: str, verbose: int = 0) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(stderr=True)
+    if verbose:  # Ansible's own output (its verbosity follows -v)
+        for out in sorted(result.private_data_dir.glob("artifacts/*/stdout")):
+            console.print(out.read_text(errors="replace"), highlight=False, markup=False, end="")
+    for hr in result.hosts.values():
+        for d in hr.diffs:
+            console.print(f"[bold]{hr.host}[/]: {d}", highlight=False, end="")
     table = Table(title=f"{title}: {result.seconds:.1f}s", title_justify="left")
     for col in ("host", "ok", "changed", "failed", "unreachable", "skipped", "status"):
         table.add_column(col)
     for hr in result.hosts.values():
+        if not hr.in_play:
+            continue
         color = {"ok": "green", "failed": "red", "unreachable": "red"}[hr.status]
         table.add_row(hr.host, str(hr.ok), str(hr.changed), str(hr.failed), str(hr.unreachable), str(hr.skipped),
                       f"[{color}]{hr.status}[/]")  # fmt: skip
@@ -47,14 +55,31 @@ def print_summary(result: RunResult, title: str) -> None:
     for hr in result.hosts.values():
         for e in hr.errors:
             console.print(f"[red]{hr.host}[/]: {e}", highlight=False)
+    left_out = [hr.host for hr in result.hosts.values() if not hr.in_play]
+    if left_out:
+        console.print(f"not run on (--limit): {', '.join(left_out)}", highlight=False)
     console.print(f"artifacts: {result.private_data_dir}", highlight=False)
 
 
-def check_targets(spec_hosts: list[str], limit: str | None, tags: list[str]) -> None:
-    if limit is not None:
-        unknown = [h for h in limit.split(",") if h and h not in spec_hosts]
-        if unknown:
-            fail(f"error: --limit: {', '.join(unknown)} not in the spec (hosts: {', '.join(spec_hosts)})", EXIT_SPEC)
+def resolve_limit(by_name: dict[str, str], limit: str | None) -> list[str] | None:
+    """--limit's names or addresses as spec host names (exit 2 naming any unknown one)."""
+    if limit is None:
+        return None
+    by_address = {addr: name for name, addr in by_name.items()}
+    out, unknown = [], []
+    for item in (i.strip() for i in limit.split(",")):
+        name = item if item in by_name else by_address.get(item)
+        if name is None:
+            unknown.append(item or "''")
+        elif name not in out:
+            out.append(name)
+    if unknown or not out:
+        known = ", ".join(f"{n} ({a})" for n, a in by_name.items())
+        fail(f"error: --limit: {', '.join(unknown) or 'nothing given'} not in the spec; hosts: {known}", EXIT_SPEC)
+    return out
+
+
+def check_targets(tags: list[str]) -> None:
     bad = [t for t in tags if t not in ROLE_TAGS + PHASE_TAGS]
     if bad:
         fail(f"error: --tags: unknown {', '.join(bad)}; use {', '.join(ROLE_TAGS + PHASE_TAGS)}", EXIT_SPEC)
@@ -98,13 +123,16 @@ def setup(
         for w in loaded.warnings:
             err(str(w))
         inv = inventory(loaded, os.environ)
-        hosts = [loaded.spec.alias(n) for n in loaded.spec.ranked_nodes()]
+        by_name = {loaded.spec.alias(n): n.address for n in loaded.spec.ranked_nodes()}
+        hosts = list(by_name)
         tag_list = [t for item in (tags or []) for t in item.split(",") if t]
-        check_targets(hosts, limit, tag_list)
+        check_targets(tag_list)
+        limited = resolve_limit(by_name, limit)
         chief = hosts[0]
-        if limit and chief not in limit.split(",") and (not tag_list or "ssh_mesh" in tag_list):
-            limit = f"{limit},{chief}"
+        if limited and chief not in limited and (not tag_list or "ssh_mesh" in tag_list):
+            limited.insert(0, chief)
             err(f"note: the chief {chief} joins --limit: ssh_mesh needs its key (use --tags to skip ssh_mesh)")
+        limit = ",".join(limited) if limited else None
         secret_values = resolve_secrets(loaded.spec, os.environ)
         console = Console(stderr=True)
         cancel = threading.Event()
@@ -121,9 +149,14 @@ def setup(
             except KeyboardInterrupt:
                 cancel.set()
                 raise
-        print_summary(result, "setup (check mode)" if check else "setup")
+        print_summary(result, "setup (check mode)" if check else "setup", verbose)
         if not result.ok:
             bad = [h.host for h in result.hosts.values() if h.status != "ok"]
             where = ", ".join(bad) or "the controller"
             fail(f"setup failed on {where} (ansible status {result.status}, rc {result.rc})", EXIT_FAILURE)
-        err(f"setup ok: {len(result.hosts)} host(s), {result.changed} change(s)")
+        ran = [h for h in result.hosts.values() if h.in_play]
+        err(
+            f"setup ok: {len(ran)} host(s), {result.changed} change(s)"
+            + (" (check mode: none made)" if check else "")
+            + (f" ({len(result.hosts) - len(ran)} left out by --limit)" if len(ran) < len(result.hosts) else "")
+        )

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Benchmark: how setup, check and launch scale with the number of sandbox nodes.
+
+For each N (default 1 4 8 16 32) a sandbox of N sshd containers is started and the same
+spec is used throughout (a wheelhouse package, a workdir, env vars, ib off):
+
+- cold setup: the first `nodeops setup` (venv, package install, workdir copy, env files);
+- no-op setup: the second one, which must report 0 changes;
+- check: `nodeops check` (the full-mesh preflight);
+- launch: `nodeops launch --no-check` of a trivial script, only with --torch-wheelhouse (torch
+  must be installed for torchrun; without it the row says "not run").
+
+Each step reports wall seconds and the controller's own CPU seconds (user+sys of every
+process the step started on this machine, ansible and ssh included) per node. The nodes
+share this machine's cores, so wall time at large N also measures the nodes' own work; the
+controller CPU per node is what grows on a real cluster. Ratios are printed against the
+1-node row and checked against issue 12's goals:
+
+- no-op setup at 1 node <= 5 s; at 4 nodes <= 8 s; at 16 nodes <= 2x the 1-node time;
+- cold setup at 8 nodes <= 2x the 1-node time.
+
+    python bench/scale_bench.py [--nodes 1 4 8 16 32] [--torch-wheelhouse DIR] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from nodeops import sandbox  # noqa: E402
+
+NAME = "scale"
+SUBNET = "10.218.0.0/24"
+NODEOPS = [sys.executable, "-m", "nodeops"]
+
+
+@dataclass
+class Step:
+    wall: float
+    cpu: float
+    rc: int
+    tail: str
+
+
+def timed(argv: list[str], env: dict[str, str]) -> Step:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    lines = (p.stdout + p.stderr).strip().splitlines()
+    return Step(wall, cpu, p.returncode, lines[-1] if lines else "")
+
+
+def make_project(work: Path, torch_wheelhouse: Path | None) -> Path:
+    (work / "project").mkdir()
+    (work / "project" / "train.py").write_text(
+        "import os\nprint('rank', os.environ.get('RANK'), 'of', os.environ.get('WORLD_SIZE'))\n"
+    )
+    (work / "project" / "lib").mkdir()
+    for i in range(20):
+        (work / "project" / "lib" / f"m{i}.py").write_text(f"X = {i}\n" * 50)
+    if torch_wheelhouse is not None:
+        return torch_wheelhouse
+    make_wheel = ROOT / "roles/python_env/molecule/default/make_wheel.py"
+    subprocess.run([sys.executable, str(make_wheel), str(work / "wheels")], check=True, capture_output=True)
+    return work / "wheels"
+
+
+def spec_for(sb: sandbox.Sandbox, work: Path, wheels: Path, torch: bool) -> Path:
+    pkgs = "[torch]" if torch else "[nodeops-probe==1.0]"
+    spec = work / f"cluster-{len(sb.nodes)}.yaml"
+    spec.write_text(sb.spec_path.read_text() + (
+        "env: {OMP_NUM_THREADS: 1}\n"
+        f"python: {{packages: {pkgs}, wheelhouse: {wheels}}}\n"
+        f"workdir: {{path: /srv/scale, source: {work / 'project'}}}\n"
+        "network: {ib: 'off'}\n"
+    ))  # fmt: skip
+    return spec
+
+
+def run_n(n: int, work: Path, wheels: Path, torch: bool, env: dict[str, str]) -> dict[str, Step | None]:
+    say = lambda m: print(f"==> [{n} node(s)] {m}", flush=True)  # noqa: E731
+    sb = sandbox.up(name=NAME, n=n, subnet=SUBNET, say=say)
+    try:
+        spec = spec_for(sb, work, wheels, torch)
+        out: dict[str, Step | None] = {}
+        for label, argv in (
+            ("cold setup", [*NODEOPS, "setup", str(spec)]),
+            ("no-op setup", [*NODEOPS, "setup", str(spec)]),
+            ("check", [*NODEOPS, "check", str(spec)]),
+        ):
+            say(label)
+            out[label] = s = timed(argv, env)
+            say(f"{label}: {s.wall:.1f}s wall, {s.cpu:.1f}s controller CPU, rc={s.rc}: {s.tail}")
+        if torch:
+            say("launch")
+            out["launch"] = s = timed([*NODEOPS, "launch", str(spec), "--no-check", "--", "train.py"], env)
+            say(f"launch: {s.wall:.1f}s wall, {s.cpu:.1f}s controller CPU, rc={s.rc}: {s.tail}")
+        else:
+            out["launch"] = None
+        return out
+    finally:
+        sandbox.down(NAME)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    ap.add_argument("--torch-wheelhouse", type=Path, help="a wheelhouse holding torch: also time launch")
+    args = ap.parse_args()
+    env = dict(os.environ, NODEOPS_HOME=tempfile.mkdtemp(prefix="nodeops-scale-home-"))
+    results: dict[int, dict[str, Step | None]] = {}
+    with tempfile.TemporaryDirectory(prefix="nodeops-scale-") as tmp:
+        work = Path(tmp)
+        wheels = make_project(work, args.torch_wheelhouse)
+        for n in args.nodes:
+            results[n] = run_n(n, work, wheels, args.torch_wheelhouse is not None, env)
+    steps = ["cold setup", "no-op setup", "check", "launch"]
+    base_n = min(results)
+    print(f"\nscale, nodes {' '.join(map(str, results))} (wall s / controller CPU s per node / wall vs {base_n} node):")
+    print(f"{'step':12} " + " ".join(f"{f'N={n}':>22}" for n in results))
+    for step in steps:
+        cells = []
+        for n, r in results.items():
+            s, base = r.get(step), results[base_n].get(step)
+            if s is None:
+                cells.append(f"{'not run':>22}")
+                continue
+            bad = "" if s.rc == 0 else "!"
+            ratio = s.wall / base.wall if base is not None and base.wall else float("nan")
+            cells.append(f"{s.wall:7.1f}{bad} {s.cpu / n:6.2f} {ratio:5.2f}x")
+        print(f"{step:12} " + " ".join(cells))
+    print("\ngoals (issue 12):")
+
+    def wall(n: int, step: str) -> float | None:
+        s = results.get(n, {}).get(step)
+        return None if s is None or s.rc != 0 else s.wall
+
+    def goal(text: str, value: float | None, limit: float, unit: str) -> None:
+        if value is None:
+            print(f"  {text}: not measured")
+        else:
+            print(f"  {text}: {value:.2f}{unit} (goal <= {limit:g}{unit}) {'ok' if value <= limit else 'MISSED'}")
+
+    one = wall(1, "no-op setup")
+    goal("no-op setup, 1 node", one, 5, " s")
+    goal("no-op setup, 4 nodes", wall(4, "no-op setup"), 8, " s")
+    n16 = wall(16, "no-op setup")
+    goal("no-op setup, 16 nodes vs 1", n16 / one if n16 and one else None, 2, "x")
+    c8, c1 = wall(8, "cold setup"), wall(1, "cold setup")
+    goal("cold setup, 8 nodes vs 1", c8 / c1 if c8 and c1 else None, 2, "x")
+    failed = [(n, s) for n, r in results.items() for s, v in r.items() if v is not None and v.rc != 0]
+    for n, s in failed:
+        print(f"  FAILED: {s} at {n} node(s): {results[n][s].tail}")  # type: ignore[union-attr]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
