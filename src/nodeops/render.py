@@ -7,13 +7,14 @@ name only, and their values travel to the hosts at ``setup``/``launch`` time in 
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nodeops import deepspeed
-from nodeops.errors import NodeopsError
+from nodeops.errors import EXIT_SPEC, NodeopsError
 from nodeops.quoting import ansible_yaml, sh_path, sh_word, ssh_config_value
 from nodeops.spec import LoadedSpec, Node, ResourceSpec
 
@@ -191,6 +192,42 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
     }
 
 
+class MissingFileError(NodeopsError):
+    """A controller-side file the spec names is missing: named before any ssh (exit 2)."""
+
+    exit_code = EXIT_SPEC
+
+
+def require_controller_files(loaded: LoadedSpec) -> None:
+    """Every ssh key_file (and an rsync workdir's source) must exist on this machine before any
+    ssh: an ssh that silently rides another connection, or fails with "Permission denied
+    (publickey)", does not say the file is missing."""
+    spec, problems = loaded.spec, []
+    used = {n.ssh_config for n in spec.nodes}
+    for name, group in spec.ssh.items():
+        if group.key_file and (name in used or len(spec.ssh) == 1):
+            path = Path(controller_path(group.key_file, loaded.spec_dir)).expanduser()
+            if not path.is_file():
+                problems.append(f"ssh group {name!r}: key_file {group.key_file} ({path}) does not exist on this "
+                                "machine; create it or fix the path")  # fmt: skip
+    wd = spec.workdir
+    if wd is not None and wd.sync == "rsync" and wd.source:
+        src = Path(controller_path(wd.source, loaded.spec_dir)).expanduser()
+        if not src.is_dir():
+            problems.append(f"workdir.source {wd.source} ({src}) is not a directory on this machine; fix the path")
+    if problems:
+        raise MissingFileError(f"{loaded.file}: " + f"\n{loaded.file}: ".join(problems))
+
+
+def control_tag(loaded: LoadedSpec) -> str:
+    """Short digest of the cluster and its identities: ssh masters are never shared across specs
+    or keys (a spec whose key is missing must not ride another spec's open connection)."""
+    spec = loaded.spec
+    ids = sorted(f"{n}:{g.username or ''}:{controller_path(g.key_file, loaded.spec_dir) if g.key_file else ''}"
+                 for n, g in spec.ssh.items())  # fmt: skip
+    return hashlib.sha256("\0".join([loaded.cluster_name, *ids]).encode()).hexdigest()[:10]
+
+
 def ssh_config(loaded: LoadedSpec) -> str:
     """OpenSSH client config for the cluster. Host keys are always checked (never 'no').
 
@@ -221,7 +258,7 @@ def ssh_config(loaded: LoadedSpec) -> str:
         lines += [
             "    BatchMode yes",
             "    ControlMaster auto",
-            "    ControlPath ~/.ssh/nodeops-%C",
+            f"    ControlPath ~/.ssh/nodeops-{control_tag(loaded)}-%C",
             "    ControlPersist 60s",
             "",
         ]

@@ -9,6 +9,7 @@ suppressed. The result is a typed summary built from rc, status and per-host sta
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -200,8 +201,12 @@ def run_playbook(
     pdd.mkdir(mode=0o700)
     (pdd / "inventory").mkdir(mode=0o700)
     (pdd / "inventory" / "hosts.yml").write_text(ansible_yaml(dict(inventory)))
-    control_dir = runs_dir().parent / "cp"
-    control_dir.mkdir(mode=0o700, exist_ok=True)
+    # ssh masters per identity set: runs with other keys or users never share a connection.
+    ids = sorted(
+        {f"{hv.get('ansible_user', '')}:{hv.get('ansible_ssh_private_key_file', '')}" for hv in host_vars.values()}
+    )
+    control_dir = runs_dir().parent / "cp" / hashlib.sha256("\0".join(ids).encode()).hexdigest()[:10]
+    control_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     forks = forks_for(len(hosts_all), raise_fd_limit())
     (pdd / "ansible.cfg").write_text(
         cfg if cfg is not None else ansible_cfg(forks, control_dir, mitogen_strategy_dir())

@@ -281,3 +281,35 @@ def test_launch_exit_code_is_the_ranks_except_nodeops_own_codes() -> None:
     assert [code(c) for c in (1, 3, 137, 2, 130)] == [1, 3, 137, 1, 1]
     assert jobs.JobResult("r", {}, None, True, None).exit_code == 130
     assert jobs.JobResult("r", {}, None, False, None).exit_code == 0
+
+
+def spec_with_key(tmp_path: Path, key: Path, name: str = "c1") -> Path:
+    spec = tmp_path / f"{name}.yaml"
+    spec.write_text(f"name: {name}\nnodes:\n  - {{address: 10.9.0.1, chief: true, ssh_config: g}}\n"
+                    f"ssh:\n  g: {{username: u, key_file: {key}}}\n")  # fmt: skip
+    return spec
+
+
+@pytest.mark.parametrize("cmd", [["setup"], ["check"], ["launch", "--no-check", "--", "train.py"]])
+def test_missing_key_file_is_named_before_any_ssh(tmp_path: Path, cmd: list[str]) -> None:
+    """Issue 17, item 2: a spec whose key_file is missing says so (exit 2), instead of riding
+    another spec's open ssh master or failing later with "Permission denied (publickey)"."""
+    spec = spec_with_key(tmp_path, tmp_path / "no_such_key")
+    r = runner.invoke(app, [cmd[0], str(spec), *cmd[1:]], env={"NODEOPS_HOME": str(tmp_path / "home")})
+    assert r.exit_code == 2, r.stderr
+    assert f"key_file {tmp_path / 'no_such_key'}" in r.stderr and "does not exist on this machine" in r.stderr
+    assert not (tmp_path / "home" / "runs").exists() or not any((tmp_path / "home" / "runs").iterdir())
+
+
+def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
+    from nodeops.render import ssh_config
+    from nodeops.spec import load_spec
+
+    def control_path(spec: Path) -> str:
+        return next(ln.split()[1] for ln in ssh_config(load_spec(spec)).splitlines() if "ControlPath" in ln)
+
+    a = control_path(spec_with_key(tmp_path, tmp_path / "k1"))
+    b = control_path(spec_with_key(tmp_path, tmp_path / "k2"))
+    c = control_path(spec_with_key(tmp_path, tmp_path / "k1", name="c2"))
+    assert len({a, b, c}) == 3 and all(p.startswith("~/.ssh/nodeops-") and p.endswith("-%C") for p in (a, b, c))
+    assert control_path(spec_with_key(tmp_path, tmp_path / "k1")) == a  # stable

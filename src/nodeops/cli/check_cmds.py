@@ -72,15 +72,17 @@ def check(
     (BatchMode, strict host keys). Each node then: connects to those ports for real; names the
     interface its route to the chief takes (warns on bridges/veths or a NCCL_SOCKET_IFNAME
     that disagrees); activates the Python env and reports python/torch/CUDA/NCCL and every
-    package; lists GPUs (nvidia-smi and torch) against the spec's `gpus`; hashes the workdir;
+    package; lists GPUs (nvidia-smi and torch) against the spec's `gpus`; compares the workdir with the source;
     and reports clock offset to the chief, `ulimit -n`, /dev/shm and free disk. Values that
     differ from the chief's fail and are shown side by side.
     """
     from nodeops import check as chk
+    from nodeops.render import require_controller_files
     from nodeops.spec import load_spec
 
     with errors():
         loaded = load_spec(spec)
+        require_controller_files(loaded)
         err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
         result = chk.run(loaded, timeout=timeout)
         report = chk.evaluate(loaded.spec, result)

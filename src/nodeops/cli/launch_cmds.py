@@ -102,7 +102,7 @@ def launch(
     """
     from nodeops import jobs, launchers, starter
     from nodeops.cli.jobs_cmds import emitter
-    from nodeops.render import inventory, ssh_config
+    from nodeops.render import inventory, require_controller_files, ssh_config
     from nodeops.runner import run_playbook
     from nodeops.spec import load_spec
 
@@ -111,6 +111,7 @@ def launch(
         user_argv = user_argv[1:]
     with errors():
         loaded = load_spec(spec)
+        require_controller_files(loaded)
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
         s = loaded.spec

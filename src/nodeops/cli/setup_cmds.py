@@ -114,7 +114,7 @@ def setup(
     from rich.console import Console
     from rich.live import Live
 
-    from nodeops.render import inventory, resolve_secrets
+    from nodeops.render import inventory, require_controller_files, resolve_secrets
     from nodeops.runner import run_playbook
     from nodeops.spec import load_spec
 
@@ -128,6 +128,7 @@ def setup(
         tag_list = [t for item in (tags or []) for t in item.split(",") if t]
         check_targets(tag_list)
         limited = resolve_limit(by_name, limit)
+        require_controller_files(loaded)
         chief = hosts[0]
         if limited and chief not in limited and (not tag_list or "ssh_mesh" in tag_list):
             limited.insert(0, chief)
