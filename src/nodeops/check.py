@@ -138,6 +138,11 @@ def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dict
     raise CheckError(f"the probe failed on the chief {chief} (exit {p.returncode}): {why}")
 
 
+def shown(value: Any, missing: str = "unknown") -> str:
+    """A parity value as text: never the string 'None'."""
+    return missing if value is None or value == "" else str(value)
+
+
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
@@ -216,11 +221,11 @@ def _node_rows(
     else:
         where = env.get("env_prefix") or env.get("executable", "")
         rows.append(Row(h, "python env", OK, f"python {env.get('python')} in {where}"))
-        v["python"] = str(env.get("python"))
+        v["python"] = shown(env.get("python"))
         if "torch" in env:
             v["torch"] = str(env["torch"])
-            v["torch_cuda"] = str(env.get("torch_cuda"))
-            v["nccl"] = str(env.get("nccl"))
+            v["torch_cuda"] = shown(env.get("torch_cuda"), "none (CPU build)")
+            v["nccl"] = shown(env.get("nccl"), "none")
         else:
             status = FAIL if spec.launch.runner in ("torchrun", "deepspeed") else WARN
             rows.append(Row(h, "torch", status, f"cannot import torch: {env.get('torch_error', '?')}"))
@@ -293,7 +298,7 @@ def _gpu_row(node: Any, h: str, f: dict[str, Any], env: dict[str, Any], v: dict[
     smi = f.get("nvidia_smi") or {}
     gpus = smi.get("gpus", [])
     if gpus:
-        v["driver"] = str(gpus[0].get("driver"))
+        v["driver"] = shown(gpus[0].get("driver"))
     want = list(node.gpus)
     if not want:
         return Row(h, "gpus", OK, f"none in the spec ({len(gpus)} visible)" if gpus else "none in the spec")

@@ -165,6 +165,8 @@ def _event_error(res: Mapping[str, Any]) -> str:
     ssh_lines = [line.strip() for line in msg.splitlines() if line.strip().startswith(("ssh:", "Host key"))]
     if ssh_lines:
         return ssh_lines[-1]
+    if msg == "non-zero return code":  # a command or shell task: its own stderr says why
+        msg = ""
     parts = [msg]
     for key in ("stderr", "module_stderr", "stdout"):
         if res.get(key) and not parts[0]:

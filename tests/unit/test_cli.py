@@ -313,3 +313,26 @@ def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
     c = control_path(spec_with_key(tmp_path, tmp_path / "k1", name="c2"))
     assert len({a, b, c}) == 3 and all(p.startswith("~/.ssh/nodeops-") and p.endswith("-%C") for p in (a, b, c))
     assert control_path(spec_with_key(tmp_path, tmp_path / "k1")) == a  # stable
+
+
+def test_check_json_with_a_bad_spec_is_json_too() -> None:
+    """Issue 17, item 7: `check --json` on a bad spec prints a JSON document (and exits 2)."""
+    r = runner.invoke(app, ["check", str(SPECS / "two-chiefs.error.two-chiefs.yaml"), "--json"])
+    assert r.exit_code == 2
+    doc = json.loads(r.stdout)
+    assert doc["status"] == "error" and doc["exit_code"] == 2 and any("more than one chief" in e for e in doc["errors"])
+    assert "more than one chief" in r.stderr
+
+
+@pytest.mark.parametrize("value", ["-5", "0"])
+def test_check_refuses_a_timeout_below_one_second(value: str) -> None:
+    r = runner.invoke(app, ["check", str(SPECS / "full.happy.yaml"), "--timeout", value])
+    assert r.exit_code == 2 and "--timeout" in r.stderr
+
+
+def test_check_values_never_read_none() -> None:
+    from nodeops.check import shown
+
+    assert (
+        shown(None) == "unknown" and shown(None, "none (CPU build)") == "none (CPU build)" and shown("12.1") == "12.1"
+    )

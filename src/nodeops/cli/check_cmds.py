@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -21,7 +23,7 @@ def print_report(report: Report, title: str) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console(stderr=True)
+    console = Console()  # the report is the output: `nodeops check SPEC | less` shows it
     for host in report.hosts:
         rows = [r for r in report.rows if r.host == host]
         worst = (
@@ -52,6 +54,21 @@ def print_report(report: Report, title: str) -> None:
                   f"({counts['ok']} ok, {counts['warn']} warn, {counts['fail']} fail)")  # fmt: skip
 
 
+@contextlib.contextmanager
+def json_errors(enabled: bool) -> Iterator[None]:
+    """With --json, an error before the report is a JSON document on stdout too (then the usual
+    message on stderr and exit code)."""
+    from nodeops.errors import NodeopsError, SpecError
+
+    try:
+        yield
+    except NodeopsError as e:
+        if enabled:
+            problems = [str(i) for i in e.issues if i.severity == "error"] if isinstance(e, SpecError) else [str(e)]
+            typer.echo(json.dumps({"status": "error", "exit_code": e.exit_code, "errors": problems}, indent=2))
+        raise
+
+
 @app.command(
     context_settings=CONTEXT,
     epilog=(
@@ -64,7 +81,7 @@ def check(
     spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Warnings fail the check too.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for each node's probe.")] = 120,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for each node's probe.")] = 120,
 ) -> None:
     """Preflight from the chief: what makes multi-node jobs hang, checked on every node at once.
 
@@ -72,15 +89,15 @@ def check(
     (BatchMode, strict host keys). Each node then: connects to those ports for real; names the
     interface its route to the chief takes (warns on bridges/veths or a NCCL_SOCKET_IFNAME
     that disagrees); activates the Python env and reports python/torch/CUDA/NCCL and every
-    package; lists GPUs (nvidia-smi and torch) against the spec's `gpus`; compares the workdir with the source;
-    and reports clock offset to the chief, `ulimit -n`, /dev/shm and free disk. Values that
+    package; lists GPUs (nvidia-smi and torch) against the spec's `gpus`; compares the workdir
+    with the source; and reports clock offset to the chief, `ulimit -n`, /dev/shm and free disk. Values that
     differ from the chief's fail and are shown side by side.
     """
     from nodeops import check as chk
     from nodeops.render import require_controller_files
     from nodeops.spec import load_spec
 
-    with errors():
+    with errors(), json_errors(as_json):
         loaded = load_spec(spec)
         require_controller_files(loaded)
         err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
