@@ -88,7 +88,7 @@ def ports(spec: ResourceSpec) -> list[int]:
     return out
 
 
-def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dict[str, Any]:
+def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script: str | None = None) -> dict[str, Any]:
     """What the chief runs: its listeners, and per node how to reach it and what to probe."""
     from nodeops import workdir
     from nodeops.render import activation
@@ -102,7 +102,7 @@ def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dic
         nodes.append({
             "name": spec.alias(node), "address": node.address, "port": group.port, "user": group.username or "",
             "plan": {"workdir": wd, "exclude": workdir.excludes(loaded), "activate": activation(spec, node),
-                     "fast": fast, "env_file": f".nodeops/{loaded.cluster_name}/env.sh"},
+                     "fast": fast, "env_file": f".nodeops/{loaded.cluster_name}/env.sh", "script": script},
         })  # fmt: skip
     out = {"mode": "chief", "nonce": secrets.token_hex(8), "ports": ports(spec), "timeout": timeout,
            "chief_address": spec.chief.address, "nodes": nodes}  # fmt: skip
@@ -111,13 +111,14 @@ def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dic
     return out
 
 
-def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> dict[str, Any]:
+def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script: str | None = None) -> dict[str, Any]:
     """Run the probe on the chief; returns its JSON, or a chief-unreachable stand-in."""
     from nodeops.render import ssh_config
 
     spec = loaded.spec
     chief = spec.alias(spec.chief)
-    payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": plan(loaded, fast=fast, timeout=timeout)})
+    the_plan = plan(loaded, fast=fast, timeout=timeout, script=script)
+    payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": the_plan})
     with tempfile.TemporaryDirectory(prefix="nodeops-check-") as tmp:
         cfg = Path(tmp) / "ssh_config"
         cfg.write_text(ssh_config(loaded))
@@ -291,6 +292,10 @@ def _workdir_rows(spec: ResourceSpec, h: str, f: dict[str, Any], v: dict[str, st
                                                     "--sync"))  # fmt: skip
         elif "hash" in wd:
             v["workdir hash"] = str(wd["hash"])
+    sc = f.get("script")
+    if sc is not None and not sc.get("exists"):
+        why = "the script must be in the workdir (in the source, for an rsync workdir) or a path on every node"
+        rows.append(Row(h, "script", FAIL, f"{sc.get('path')} does not exist here; {why}"))
     return rows
 
 

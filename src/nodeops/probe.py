@@ -238,6 +238,9 @@ def node_facts(plan: dict[str, Any]) -> dict[str, Any]:
             f["workdir"]["manifest"]["summary"] = ns["summary"](f["workdir"]["manifest"])
         elif os.path.isdir(wd) and not plan.get("fast"):
             f["workdir"].update(tree_hash(wd, plan.get("exclude", [])))
+    if plan.get("script"):
+        path = os.path.join(wd or home, os.path.expanduser(plan["script"]))
+        f["script"] = {"path": path, "exists": os.path.isfile(path)}
     f["route"] = route_to(plan["chief_address"])
     f["ports"] = {str(p): connect(plan["chief_address"], p, plan["nonce"], plan["name"]) for p in plan["ports"]}
     if not plan.get("fast"):

@@ -138,8 +138,10 @@ def test_stale_workdir_is_refused_by_launch_until_synced(
         assert p.stdout.count("train v2") == 3, p.stdout
     finally:
         train.write_text(old)
-        subprocess.run([NODEOPS, "setup", str(project / "cluster.yaml"), "--tags", "shared_path"],
-                       capture_output=True, timeout=600, check=False)  # fmt: skip
+        back = subprocess.run([NODEOPS, "setup", str(project / "cluster.yaml"), "--tags", "shared_path"],
+                              capture_output=True, text=True, timeout=600, check=False,
+                              env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+        assert back.returncode == 0, back.stderr  # later tests need the nodes to hold the source again
 
 
 def test_venv_removed_on_one_node(sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object) -> None:
@@ -156,4 +158,20 @@ def test_venv_removed_on_one_node(sandbox_cluster: sandbox.Sandbox, project: Pat
     assert "activate: No such file or directory" in failing(doc)["node2"]["python env"]
     assert p.returncode == 1 and "preflight failed on node2" in p.stderr, p.stderr
     assert "==> run" not in p.stderr  # nothing was started
+    assert ssh(sandbox_cluster, "node1", "ls ~/.nodeops/runs 2>/dev/null | wc -l").stdout.strip() == runs_before
+
+
+def test_missing_script_is_refused_before_anything_starts(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    """Issue 17, item 10: `launch -- nosuch.py` used to start torchrun everywhere and print three
+    tracebacks; the preflight now names the missing file on every node and starts nothing."""
+    runs_before = ssh(sandbox_cluster, "node1", "ls ~/.nodeops/runs 2>/dev/null | wc -l").stdout.strip()
+    p = subprocess.run([NODEOPS, "launch", str(project / "cluster.yaml"), "--", "nosuch.py", "--lr", "1"],
+                       capture_output=True, text=True, timeout=300, check=False,
+                       env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+    assert p.returncode == 1, p.stderr
+    for host in ("node1", "node2", "node3"):
+        assert f"{host}: script: {WORKDIR}/nosuch.py does not exist here" in p.stderr, p.stderr
+    assert "nothing was started" in p.stderr and "Traceback" not in p.stderr + p.stdout
     assert ssh(sandbox_cluster, "node1", "ls ~/.nodeops/runs 2>/dev/null | wc -l").stdout.strip() == runs_before

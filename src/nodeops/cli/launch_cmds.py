@@ -118,7 +118,7 @@ def launch(
         if sync:
             sync_workdir(loaded)
         if not no_check:
-            preflight(loaded)
+            preflight(loaded, script_file(user_argv, script))
         run_id = jobs.new_run_id()
         local = jobs.jobs_dir() / run_id
         local.mkdir(mode=0o700)
@@ -279,12 +279,20 @@ def sync_workdir(loaded: LoadedSpec) -> None:
     )
 
 
-def preflight(loaded: LoadedSpec) -> None:
-    """`nodeops check`'s fast subset: ssh from the chief, the job's ports, version parity."""
+def script_file(user_argv: list[str], script: str | None) -> str | None:
+    """The file launch will run in the workdir: --script's, else the training script (not `-m mod`)."""
+    if script is not None:
+        return script
+    return user_argv[0] if user_argv and not user_argv[0].startswith("-") else None
+
+
+def preflight(loaded: LoadedSpec, script: str | None = None) -> None:
+    """`nodeops check`'s fast subset: ssh from the chief, the job's ports, version parity, the
+    workdir against the source, and the script present on every node."""
     from nodeops import check
 
     t0 = time.monotonic()
-    report = check.evaluate(loaded.spec, check.run(loaded, fast=True, timeout=60), fast=True)
+    report = check.evaluate(loaded.spec, check.run(loaded, fast=True, timeout=60, script=script), fast=True)
     failed = [r for r in report.rows if r.status == "fail"]
     if failed:
         for r in failed:
