@@ -115,6 +115,41 @@ def test_sh_expand_autodist_example() -> None:
     assert bash(f"printf %s {word}", {"LD_LIBRARY_PATH": "/base"}) == b"/base:/usr/local/cuda/lib64"
 
 
+# --------------------------------------------------------------------------- nccl_env's interface probe
+def render_probe(host: str, address: str, ifname: str) -> str:
+    """The nccl_env role's probe task command, rendered with the role's own filters."""
+    tasks = yaml.safe_load((ROOT / "roles/nccl_env/tasks/configure.yml").read_text())
+    cmd = next(t["ansible.builtin.shell"]["cmd"] for t in tasks if "ansible.builtin.shell" in t)
+    j = jinja2.Environment(undefined=jinja2.StrictUndefined)
+    j.filters.update({"nodeops_sh_word": quoting.sh_word})
+    j.tests["match"] = lambda value, pattern: __import__("re").match(pattern, value) is not None
+    return j.from_string(cmd).render(inventory_hostname=host, nccl_env_address=address, nccl_env_socket_ifname=ifname)
+
+
+@given(data=st.data())
+@SETTINGS
+def test_probe_names_hostile_hosts_literally(data: st.DataObject, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Inventory names and addresses reach the probe's bash only as words: a node whose name
+    holds a command is named in the error, and nothing runs. `ip` and `getent` are stubs that
+    print nothing (the controller may have no iproute2); bash itself parses the real command."""
+    d = tmp_path_factory.mktemp("probe")
+    sentinel = d / "ran"
+    host, address = data.draw(hostile(sentinel)), data.draw(hostile(sentinel))
+    ifname = data.draw(st.sampled_from(["auto", "eth9"]))
+    assume("\0" not in host + address)
+    for stub, body in (("ip", 'case "$*" in *"show dev"*) exit 1;; esac'), ("getent", "")):
+        (d / stub).write_text(f"#!/bin/sh\n{body}\nexit 0\n")
+        (d / stub).chmod(0o755)
+    env = {"PATH": f"{d}:{os.environ['PATH']}", "LC_ALL": "C.UTF-8", "HOME": str(d)}
+    p = subprocess.run(["bash", "-c", render_probe(host, address, ifname)], capture_output=True, timeout=20,
+                       check=False, env=env)  # fmt: skip
+    assert p.returncode == 3, p.stderr
+    assert f"nccl_env: on {host}, ".encode() in p.stderr
+    if ifname == "auto":
+        assert f"holds {address}, ".encode() in p.stderr
+    assert not sentinel.exists()
+
+
 # --------------------------------------------------------------------------- env.sh (the role's template)
 def render_env_sh(env_vars: dict[str, str], shared: dict[str, str], nccl: dict[str, str], secrets_path: Path) -> str:
     """The nccl_env role's env.sh.j2, rendered with the role's own filters (nodeops.quoting)."""
