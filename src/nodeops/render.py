@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeops import deepspeed
-from nodeops.errors import EXIT_SPEC, NodeopsError
+from nodeops import deepspeed, workdir
+from nodeops.errors import NodeopsError, SpecError
 from nodeops.quoting import ansible_yaml, sh_path, sh_word, ssh_config_value
 from nodeops.spec import LoadedSpec, Node, ResourceSpec
 
@@ -175,8 +175,9 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
         all_vars["nodeops_workdir"] = {
             "path": wd.path,
             "sync": wd.sync,
-            "source": controller_path(wd.source, loaded.spec_dir) if wd.source else str(loaded.spec_dir),
-            "exclude": list(wd.exclude),
+            "source": str(workdir.source_path(loaded)),
+            # the same list every comparison with the source uses (.deepspeed_env: see nodeops.workdir)
+            "exclude": workdir.excludes(loaded),
             "nfs": wd.nfs.model_dump() if wd.nfs else None,
         }
     hosts = {spec.alias(n): host_vars(spec, n, rank, loaded.spec_dir) for rank, n in enumerate(ranked)}
@@ -192,31 +193,27 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
     }
 
 
-class MissingFileError(NodeopsError):
-    """A controller-side file the spec names is missing: named before any ssh (exit 2)."""
-
-    exit_code = EXIT_SPEC
-
-
 def require_controller_files(loaded: LoadedSpec) -> None:
     """Every ssh key_file (and an rsync workdir's source) must exist on this machine before any
-    ssh: an ssh that silently rides another connection, or fails with "Permission denied
-    (publickey)", does not say the file is missing."""
-    spec, problems = loaded.spec, []
-    used = {n.ssh_config for n in spec.nodes}
-    for name, group in spec.ssh.items():
-        if group.key_file and (name in used or len(spec.ssh) == 1):
-            path = Path(controller_path(group.key_file, loaded.spec_dir)).expanduser()
-            if not path.is_file():
-                problems.append(f"ssh group {name!r}: key_file {group.key_file} ({path}) does not exist on this "
-                                "machine; create it or fix the path")  # fmt: skip
-    wd = spec.workdir
-    if wd is not None and wd.sync == "rsync" and wd.source:
-        src = Path(controller_path(wd.source, loaded.spec_dir)).expanduser()
-        if not src.is_dir():
-            problems.append(f"workdir.source {wd.source} ({src}) is not a directory on this machine; fix the path")
-    if problems:
-        raise MissingFileError(f"{loaded.file}: " + f"\n{loaded.file}: ".join(problems))
+    ssh: an ssh that rides another connection, or fails with "Permission denied (publickey)",
+    does not say the file is missing. A spec error (exit 2) with the field's line."""
+    spec, issues, seen = loaded.spec, [], set()
+    for node in spec.nodes:
+        name, group = spec.group_name(node), spec.group(node)
+        if name is None or name in seen or not group.key_file:
+            continue
+        seen.add(name)
+        path = Path(controller_path(group.key_file, loaded.spec_dir)).expanduser()
+        if not path.is_file():
+            issues.append(loaded.issue(("ssh", name, "key_file"), f"{path} does not exist on this machine",
+                                       "create the key, or fix the path"))  # fmt: skip
+    src = workdir.source_dir(loaded)
+    if src is not None and not src.expanduser().is_dir():
+        field_path = ("workdir", "source") if spec.workdir and spec.workdir.source else ("workdir",)
+        issues.append(loaded.issue(field_path, f"the source {src} is not a directory on this machine",
+                                   "fix workdir.source (relative paths start at the spec's directory)"))  # fmt: skip
+    if issues:
+        raise SpecError(issues)
 
 
 def control_tag(loaded: LoadedSpec) -> str:

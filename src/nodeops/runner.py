@@ -84,6 +84,11 @@ class RunResult:
     def changed(self) -> int:
         return sum(h.changed for h in self.hosts.values())
 
+    @property
+    def bad_hosts(self) -> list[str]:
+        """Hosts that failed or were unreachable."""
+        return [h.host for h in self.hosts.values() if h.status != "ok"]
+
 
 def runs_dir() -> Path:
     base = Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
@@ -293,9 +298,8 @@ def run_playbook(
         for host, count in ((r.stats or {}).get(stat) or {}).items():
             if host in results:
                 setattr(results[host], attr, count)
-    for host, hr in results.items():
+    for hr in results.values():
         hr.task = ""
-        hr.in_play = hr.in_play or any(host in ((r.stats or {}).get(k) or {}) for k in ("ok", "dark", "failures"))
     if on_update:
         on_update(results)
     return RunResult(rc=r.rc, status=r.status, hosts=results, private_data_dir=pdd, seconds=time.monotonic() - t0)

@@ -566,6 +566,16 @@ class LoadedSpec:
     spec: ResourceSpec
     file: str
     warnings: list[SpecIssue] = field(default_factory=list)
+    located: Located | None = field(default=None, repr=False)  # positions, for errors found after loading
+    legacy: bool = False
+
+    def issue(self, path: tuple[str | int, ...], message: str, fix: str) -> SpecIssue:
+        """An error at a field of the loaded file (``path`` as in the model), with its line."""
+        if self.legacy and path[:2] == ("ssh", LEGACY_GROUP):
+            path = ("ssh", *path[2:])
+        pos = self.located.pos(path) if self.located is not None else None
+        return SpecIssue(self.file, pos.line if pos else 1, pos.col if pos else 1,
+                         ".".join(str(p) for p in path), message, fix)  # fmt: skip
 
     @property
     def spec_dir(self) -> Path:
@@ -815,7 +825,8 @@ def validate_located(located: Located) -> LoadedSpec:
     if issues or spec is None:
         issues.sort(key=lambda i: (i.line, i.col))
         raise SpecError(issues)
-    return LoadedSpec(spec=spec, file=located.file, warnings=_warnings(spec, located, legacy))
+    return LoadedSpec(spec=spec, file=located.file, warnings=_warnings(spec, located, legacy), located=located,
+                      legacy=legacy)  # fmt: skip
 
 
 def _syntax_issue(e: YamlSyntaxError) -> SpecError:

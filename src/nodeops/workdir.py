@@ -35,17 +35,22 @@ def manifest_module() -> ModuleType:
     return mod
 
 
-def source_dir(loaded: LoadedSpec) -> Path | None:
-    """The controller-side source of an rsync workdir (default: the spec's directory)."""
+def source_path(loaded: LoadedSpec) -> Path:
+    """The controller-side source directory as the spec gives it (default: the spec's directory)."""
     from nodeops.render import controller_path
 
     wd = loaded.spec.workdir
-    if wd is None or wd.sync != "rsync":
-        return None
-    return Path(controller_path(wd.source, loaded.spec_dir)) if wd.source else loaded.spec_dir
+    return Path(controller_path(wd.source, loaded.spec_dir)) if wd is not None and wd.source else loaded.spec_dir
+
+
+def source_dir(loaded: LoadedSpec) -> Path | None:
+    """The source of an rsync workdir, or None when the workdir is not copied from here."""
+    wd = loaded.spec.workdir
+    return source_path(loaded) if wd is not None and wd.sync == "rsync" else None
 
 
 def excludes(loaded: LoadedSpec) -> list[str]:
+    """What setup's copy, and every comparison with the source, leave out."""
     wd = loaded.spec.workdir
     return [*(wd.exclude if wd else []), *ALWAYS_EXCLUDED]
 
@@ -55,8 +60,6 @@ def source_manifest(loaded: LoadedSpec) -> dict[str, Any] | None:
     src = source_dir(loaded)
     if src is None:
         return None
-    if not src.is_dir():
-        raise NodeopsError(f"workdir source {src} is not a directory on this machine; fix workdir.source")
     try:
         doc: dict[str, Any] = manifest_module().build(str(src), excludes(loaded))
     except OSError as e:

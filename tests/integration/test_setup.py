@@ -158,6 +158,13 @@ def test_drift_on_one_node_is_detected_and_repaired(sandbox_cluster: sandbox.San
     assert ssh(sb, "node3", f"sed -i '/nodeops-{name}@node1$/d' ~/.ssh/authorized_keys").returncode == 0
     assert ssh(sb, "node3", "~/.venvs/train/bin/python -m pip uninstall -y -q filelock").returncode == 0
     assert ssh(sb, "node2", f"echo tampered > {WORKDIR}/train.py").returncode == 0
+    # Issue 17, item 4: --check --diff shows the drift as a diff, per host, and changes nothing.
+    p = setup(project / "cluster.yaml", "--check", "--diff", env=env)
+    assert p.returncode == 0, p.stderr
+    assert re.search(r"node2: .*\n--- \S+/env\.sh \(now\)\n\+\+\+ \S+/env\.sh \(wanted\)\n", p.stderr), p.stderr
+    assert "\n-export OOPS=1\n" in p.stderr and "(check mode: none made)" in p.stderr
+    assert SECRET not in p.stderr  # secrets.env is never diffed
+    assert "export OOPS=1" in ssh(sb, "node2", f"cat {env_sh}").stdout
     p = setup(project / "cluster.yaml", env=env)
     assert p.returncode == 0, p.stderr
     assert re.search(r"│ node2 +│ \d+ +│ [1-9]", p.stderr) and re.search(r"│ node3 +│ \d+ +│ [1-9]", p.stderr), p.stderr
@@ -176,8 +183,12 @@ def test_limited_run_keeps_every_pinned_node(sandbox_cluster: sandbox.Sandbox, p
     env = {"NODEOPS_IT_SECRET": SECRET}
     assert setup(project / "cluster.yaml", env=env).returncode == 0
     before = ssh(sandbox_cluster, "node1", "cat ~/.ssh/known_hosts").stdout
-    p = setup(project / "cluster.yaml", "--limit", "node3", "--tags", "ssh_mesh", env=env)
+    node3 = next(n for n in sandbox_cluster.nodes if n.name == "node3")
+    # By address (issue 17, item 5): the chief joins for ssh_mesh; node2 is named as left out.
+    p = setup(project / "cluster.yaml", "--limit", node3.address, "--tags", "ssh_mesh", env=env)
     assert p.returncode == 0, p.stderr
+    assert "not run on (--limit): node2" in p.stderr and "setup ok: 2 host(s)" in p.stderr, p.stderr
+    assert not re.search(r"│ node2 +│", p.stderr), p.stderr
     assert ssh(sandbox_cluster, "node1", "cat ~/.ssh/known_hosts").stdout == before
     for node in sandbox_cluster.nodes:
         q = ssh(sandbox_cluster, "node1", f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {node.address} true")

@@ -297,8 +297,19 @@ def test_missing_key_file_is_named_before_any_ssh(tmp_path: Path, cmd: list[str]
     spec = spec_with_key(tmp_path, tmp_path / "no_such_key")
     r = runner.invoke(app, [cmd[0], str(spec), *cmd[1:]], env={"NODEOPS_HOME": str(tmp_path / "home")})
     assert r.exit_code == 2, r.stderr
-    assert f"key_file {tmp_path / 'no_such_key'}" in r.stderr and "does not exist on this machine" in r.stderr
+    # file:line:col, the field, the cause and the fix, like every spec error
+    assert f"{spec}:5:" in r.stderr and "ssh.g.key_file:" in r.stderr, r.stderr
+    assert f"{tmp_path / 'no_such_key'} does not exist on this machine (fix: create the key" in r.stderr
     assert not (tmp_path / "home" / "runs").exists() or not any((tmp_path / "home" / "runs").iterdir())
+
+
+def test_missing_workdir_source_is_named_with_its_line(tmp_path: Path) -> None:
+    (tmp_path / "k").write_text("not a real key; never read\n")
+    spec = spec_with_key(tmp_path, tmp_path / "k")
+    spec.write_text(spec.read_text() + "workdir: {path: /srv/t, source: ./nope}\n")
+    r = runner.invoke(app, ["setup", str(spec)], env={"NODEOPS_HOME": str(tmp_path / "home")})
+    assert r.exit_code == 2, r.stderr
+    assert f"{spec}:6:" in r.stderr and "workdir.source:" in r.stderr and f"{tmp_path / 'nope'}" in r.stderr
 
 
 def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:

@@ -121,8 +121,9 @@ def known_hosts_lines(host, facts):
 def wanted_lines(f):
     out = {}
     for h, v in (f.get("lines") or {}).items():
-        out[str(h)] = [str(v)] if isinstance(v, str) and v else [] if isinstance(v, str) or v is None else [
-            str(x) for x in v]
+        if isinstance(v, str) or v is None:  # one line (a public key), or none
+            v = [v] if v else []
+        out[str(h)] = [str(x) for x in v]
     for h, facts in (f.get("known_hosts") or {}).items():
         out[str(h)] = known_hosts_lines(str(h), facts or {})
     return out

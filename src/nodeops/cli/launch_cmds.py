@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -263,13 +262,13 @@ def sync_workdir(loaded: LoadedSpec) -> None:
         fail("error: --sync copies an rsync workdir; the spec has " + ("no workdir" if wd is None else
              f"workdir.sync: {wd.sync}"), EXIT_SPEC)  # fmt: skip
     t0 = time.monotonic()
-    result = run_playbook("setup.yml", inventory(loaded, os.environ), kind="sync", tags=["shared_path"])
+    # Connection data only, as for --via ansible: the copy needs no env values.
+    result = run_playbook("setup.yml", inventory(loaded, None), kind="sync", tags=["shared_path"])
     if not result.ok:
         for hr in result.hosts.values():
             for e in hr.errors:
                 err(f"{hr.host}: {e}")
-        bad = [h.host for h in result.hosts.values() if h.status != "ok"]
-        fail(f"--sync failed on {', '.join(bad) or 'the controller'}; nothing was started "
+        fail(f"--sync failed on {', '.join(result.bad_hosts) or 'the controller'}; nothing was started "
              f"(artifacts: {result.private_data_dir})", EXIT_FAILURE)  # fmt: skip
     copied = [h.host for h in result.hosts.values() if h.changed]
     err(

@@ -152,8 +152,7 @@ def setup(
                 raise
         print_summary(result, "setup (check mode)" if check else "setup", verbose)
         if not result.ok:
-            bad = [h.host for h in result.hosts.values() if h.status != "ok"]
-            where = ", ".join(bad) or "the controller"
+            where = ", ".join(result.bad_hosts) or "the controller"
             fail(f"setup failed on {where} (ansible status {result.status}, rc {result.rc})", EXIT_FAILURE)
         ran = [h for h in result.hosts.values() if h.in_play]
         err(
