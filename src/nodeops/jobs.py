@@ -30,7 +30,8 @@ from nodeops.quoting import sh_word
 
 T = TypeVar("T")
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
-TAIL_LINES = 40  # torchrun's failure summary alone is ~20 lines; keep the rank's last words too
+TAIL_LINES = 200  # torchrun's failure summary and shutdown alone is ~40 lines; keep the rank's last words too
+SHOWN_LINES = 20  # of them, the failing rank's own last lines shown under FAILED
 
 
 class JobError(NodeopsError):
@@ -391,10 +392,9 @@ def follow(
     stopped = (result or {}).get("outcome") == "stopped"
     if not interrupted and not stopped:
         blame_peers(states, remote_tails, addresses or {})
-        # a host the supervisor stopped is not a cause; what failed by itself is
-        root = root_cause([st for st in states.values() if not st.stopped])
-        root = blame_mpi_rank(root, rank_tails, rank_hosts) if root is not None else None
         first = (result or {}).get("first_failure")
+        root = root_cause(list(states.values()), named=first["host"] if first else "")
+        root = blame_mpi_rank(root, rank_tails, rank_hosts) if root is not None else None
         if root is None and first:  # the supervisor saw what the logs did not (a lost host, say)
             root = states.setdefault(first["host"], HostState(first["host"]))
             root.exit_code = first.get("code") or -1
@@ -501,21 +501,39 @@ def failure_code(st: HostState) -> int | None:
     return next((c for c in codes if c > 0), None)
 
 
-# gloo's words in a rank whose peer went away first: that host is a victim, not the cause.
-_PEER_LOST = re.compile(r"Connection (?:closed|reset) by peer|caused by a remote worker crashing")
+def own_failure(st: HostState) -> bool:
+    """torchrun's lines say a rank here exited with a code of its own (> 0): it failed by itself,
+    even when the supervisor's stop then reached this host."""
+    return any(int(c) > 0 for line in st.tail for c in _RANK_EXIT.findall(line))
 
 
-def root_cause(states: Sequence[HostState]) -> HostState | None:
-    """The failure that started it. A host whose ranks only report a lost peer (gloo aborts the
-    others within the same second) ranks after one that failed by itself; a rank that exited
-    with a real code beats one that died of a signal; then the earliest."""
-    failed = [s for s in states if s.exit_code not in (0, None)]
+def root_cause(states: Sequence[HostState], named: str = "") -> HostState | None:
+    """The failure that started it. A host whose ranks report a lost peer (gloo and NCCL abort
+    the others within the same second) ranks after one that failed by itself; a rank that
+    exited with a real code beats one that died of a signal; then the supervisor's choice
+    (``named``: it classified each report as it came); then the earliest. A host the supervisor
+    stopped is not a cause, unless a rank of it had failed by itself before the stop came."""
+    failed = [s for s in states if s.exit_code not in (0, None) and (not s.stopped or own_failure(s))]
     if not failed:
         return None
 
-    def key(s: HostState) -> tuple[int, int, float]:
-        codes = [int(c) for line in s.tail for c in _RANK_EXIT.findall(line)]
-        victim = any(_PEER_LOST.search(line) for line in s.tail)
-        return (1 if victim else 0, 0 if any(c > 0 for c in codes) else 1, s.ended_at)
+    def key(s: HostState) -> tuple[int, int, int, float]:
+        victim = any(P.PEER_LOST.search(line) for line in s.tail)
+        return (1 if victim else 0, 0 if own_failure(s) else 1, 0 if s.host == named else 1, s.ended_at)
 
     return min(failed, key=key)
+
+
+# torchrun's own lines (its agent logs in glog form, its ChildFailedError traceback and summary),
+# as opposed to what the ranks printed.
+_AGENT_LINE = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")
+
+
+def failure_lines(tail: Sequence[str]) -> tuple[list[str], list[str]]:
+    """A failed host's lines split in two: what its ranks printed (up to torchrun's first
+    failure line, the last SHOWN_LINES of it, torchrun's own log lines left out), and torchrun's
+    failure report from there on (its summary, shown with -v)."""
+    lines = list(tail)
+    at = next((i for i, line in enumerate(lines) if P.AGENT_FAILED.search(line)), len(lines))
+    own = [line for line in lines[:at] if not _AGENT_LINE.match(line)]
+    return own[-SHOWN_LINES:], lines[at:]

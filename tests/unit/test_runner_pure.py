@@ -78,6 +78,43 @@ def test_root_cause_skips_hosts_that_only_lost_a_peer() -> None:
     assert root_cause([victim, culprit]) is culprit
 
 
+def test_root_cause_ci_race_victim_first_culprit_stopped() -> None:
+    """The race CI hit: node1's rank lost its peer and aborted (SIGABRT), its report came first,
+    and the supervisor's stop reached node3 after its rank had exited 1 by itself."""
+    from nodeops.jobs import HostState, root_cause
+
+    victim = HostState("node1", exit_code=1, ended_at=1.0)
+    victim.tail.extend(["[rank0]:[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [10.214.0.13]:17112.",
+                        "E1122 20:53:47.533000 1474 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+                        "(exitcode: -6) local_rank: 0 (pid: 1540) of binary: python3",
+                        "  exitcode  : -6 (pid: 1540)  (SIGABRT)"])  # fmt: skip
+    culprit = HostState("node3", exit_code=-1, ended_at=2.0, stopped=True)
+    culprit.tail.extend(["rank 2: failing on purpose at step 3",
+                         "E1122 20:53:47.431000 977 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+                         "(exitcode: 1) local_rank: 0 (pid: 1100) of binary: python3"])  # fmt: skip
+    bystander = HostState("node2", exit_code=-1, ended_at=2.0, stopped=True)
+    bystander.tail.append("E1122 20:53:48.0 80 torch/distributed/elastic/agent/server/api.py:1] failed (exitcode: -15)"
+                          " local_rank: 0 (pid: 9) of binary: python3")  # fmt: skip
+    assert root_cause([victim, culprit, bystander], named="node1") is culprit
+    assert root_cause([victim, bystander], named="node1") is victim  # a stopped host with no failure of its own
+
+
+def test_failure_lines_puts_the_ranks_own_lines_first() -> None:
+    from nodeops.jobs import failure_lines
+
+    tail = ["step 1 loss 0.5", "W1122 20:53:40.1 11 torch/distributed/run.py:792] Setting OMP_NUM_THREADS",
+            "rank 2: failing on purpose at step 3",
+            "E1122 20:53:47.4 977 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) "
+            "local_rank: 0 (pid: 1100) of binary: python3",
+            "Traceback (most recent call last):", "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+            "  exitcode  : 1 (pid: 1100)"]  # fmt: skip
+    own, summary = failure_lines(tail)
+    assert own == ["step 1 loss 0.5", "rank 2: failing on purpose at step 3"]
+    assert summary[0].endswith("of binary: python3") and summary[-1] == "  exitcode  : 1 (pid: 1100)"
+    assert failure_lines(["a", "b"]) == (["a", "b"], [])  # no torchrun: every line is the job's
+    assert len(failure_lines([str(i) for i in range(100)])[0]) == 20
+
+
 def test_blamed_peer_becomes_the_root_cause_when_pdsh_never_reported_it() -> None:
     from collections import deque
 

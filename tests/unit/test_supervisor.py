@@ -173,10 +173,33 @@ def test_torchrun_failure_line_starts_the_teardown_before_the_exit(tmp_path: Pat
                            agent_final=True)  # fmt: skip
     t0 = time.monotonic()
     res = result_of(chief, start(dirs))
-    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker"}
+    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker (exit code 1)"}
     log = (chief / "supervisor.log").read_text()
     assert log.index("stopping every host") < log.index("h2: exit 1"), log
     assert time.monotonic() - t0 < 15
+    assert wait_clean(dirs) == []
+
+
+def test_a_victim_reported_first_is_not_the_root_cause(tmp_path: Path) -> None:
+    """The CI race: h2's rank fails by itself; h1's rank loses its peer and aborts, and h1's
+    report reaches the supervisor first (on a cluster the chief's guard has no ssh hop). The
+    teardown starts at once, and h2 is named."""
+    victim = (
+        "echo '[rank0]: RuntimeError: Connection closed by peer [10.0.0.2]:17112'; "
+        "echo '[E] failed (exitcode: -6) local_rank: 0 (pid: 7) of binary: python'; sleep 3; exit 1\n"
+    )
+    # h2's job outlives the stop's SIGTERM (as a torchrun busy with its failure does), so its
+    # report comes after h1's, every time
+    cause = (
+        "trap '' TERM; sleep 0.6; echo 'rank 1: failing on purpose'; "
+        "echo '[E] failed (exitcode: 1) local_rank: 0 (pid: 8) of binary: python'; exit 1\n"
+    )
+    chief, dirs = make_run(tmp_path, {"h1": victim, "h2": cause, "h3": "exec sleep 300\n"}, agent_final=True)
+    res = result_of(chief, start(dirs))
+    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker (exit code 1)"}
+    log = (chief / "supervisor.log").read_text()
+    assert log.index("first failure: h1") < log.index("root cause: h2"), log
+    assert res["hosts"]["h3"]["ended"] == "killed"  # type: ignore[index]
     assert wait_clean(dirs) == []
 
 

@@ -82,6 +82,9 @@ def launch(
     no_check: Annotated[
         bool, typer.Option("--no-check", help="Skip the preflight (ssh from the chief, ports, version parity).")
     ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="On a failure, also print torchrun's failure report.")
+    ] = False,
     sync: Annotated[
         bool,
         typer.Option(
@@ -195,9 +198,13 @@ def launch(
             rc = res.root_cause
             code = jobs.failure_code(rc)
             why = f"exit code {code}" if code else rc.lost_reason
-            err(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); last lines:")
-            for line in rc.tail:
+            own, summary = jobs.failure_lines(rc.tail)
+            err(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); its last lines:")
+            for line in own + (summary if verbose or not own else []):
                 err(f"    {rc.host} {line}")
+            if summary and own and not verbose:
+                err(f"    ({len(summary)} more lines of torchrun's failure report: -v shows them, "
+                    f"as does `nodeops logs {run_id}`)")  # fmt: skip
             if res.teardown_seconds is not None:
                 err(f"==> the supervisor stopped every other rank in {res.teardown_seconds:.1f}s; "
                     f"{teardown_summary(res.teardown_problems)}")  # fmt: skip

@@ -11,7 +11,8 @@
     The supervisor's link to this host (over ssh, or a local child on the chief). Reads
     heartbeats and commands on stdin (a line each; ``stop`` stops the run here), touches
     ``heartbeat``, and reports on stdout, one line each: ``watching``, ``exit CODE|killed``,
-    ``agent-failed`` (torchrun's final failure line, with --agent-final), ``pdsh-failed ADDRESS
+    ``agent-failed CODE own|peer`` (torchrun's final failure line, with --agent-final: the
+    worker's exit code, and whether the lines before it say a peer went away first), ``pdsh-failed ADDRESS
     CODE`` (with --pdsh), ``stopped N`` (N processes of the run left after a stop). On stdin EOF
     or silence for HEARTBEAT_STALE (the chief or its supervisor died) it stops the run here.
     It exits once the job here has ended, or after a stop where there is no job.
@@ -29,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 
 if __package__:
     from . import protocol as P
@@ -210,11 +212,24 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
     os.utime(path(P.HEARTBEAT))
     last_beat = time.monotonic()
     scan = LogScan()
+    recent: deque[str] = deque(maxlen=200)  # what the ranks printed before torchrun's failure line
     agent_failed_said = False
     stopped = False
     buf = b""
     while True:
         ready, _, _ = select.select([0], [], [], 0.2)
+        # The log first: a failure printed before a stop arrives is reported, not lost to the stop.
+        if agent_final or pdsh:
+            for line in scan.lines():
+                m = P.AGENT_FAILED.search(line) if agent_final and not agent_failed_said else None
+                if m:
+                    agent_failed_said = True
+                    peer = any(P.PEER_LOST.search(r) for r in recent)
+                    say(f"agent-failed {m.group(1)} {'peer' if peer else 'own'}")
+                recent.append(line)
+                m = P.PDSH_EXIT.match(line) if pdsh else None
+                if m and m.group(2) != "0":
+                    say(f"pdsh-failed {m.group(1)} {m.group(2)}")
         if ready:
             chunk = os.read(0, 4096)
             if not chunk:  # the supervisor (or the chief) is gone: stop here, and say so if anyone listens
@@ -233,14 +248,6 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
             why = f"no heartbeat from the supervisor for {P.HEARTBEAT_STALE:.0f}s"
             say(f"lost-stopped {kill_run(why)} {why}")
             return 0
-        if agent_final or pdsh:
-            for line in scan.lines():
-                if agent_final and not agent_failed_said and P.AGENT_FAILED.search(line):
-                    agent_failed_said = True
-                    say("agent-failed")
-                m = P.PDSH_EXIT.match(line) if pdsh else None
-                if m and m.group(2) != "0":
-                    say(f"pdsh-failed {m.group(1)} {m.group(2)}")
         if not has_job:
             continue
         code = read(P.EXIT)

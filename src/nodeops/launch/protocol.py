@@ -47,7 +47,15 @@ SSH_TIMEOUTS = ["ConnectTimeout=10", "ServerAliveInterval=2", "ServerAliveCountM
 
 # torchrun's agent, the moment it sees a worker fail (before its own shutdown and exit): final
 # when there are no restarts.
-AGENT_FAILED = re.compile(r"failed \(exitcode: (?:[1-9]\d*|-\d+)\) local_rank: \d+")
+AGENT_FAILED = re.compile(r"failed \(exitcode: ([1-9]\d*|-\d+)\) local_rank: \d+")
+# What a rank prints when it fails because another rank died first (gloo, NCCL, the TCPStore):
+# such a failure is a consequence, never the root cause when a rank that failed on its own is
+# reported within ROOT_CAUSE_WINDOW of it.
+PEER_LOST = re.compile(
+    r"Connection (?:closed|reset) by peer|remote worker crash|remote process exited|communicator was aborted"
+    r"|[Ww]atchdog caught collective operation timeout|DistNetworkError|Broken pipe|Failed to recv"
+)
+ROOT_CAUSE_WINDOW = 5.0  # seconds after the first failure in which a likelier root cause replaces it
 # pdsh (DeepSpeed's runner) reports a node whose command failed, and keeps waiting.
 PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
 

@@ -155,14 +155,27 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
                 lk.sent_stop = True
                 lk.send("stop")
 
-    def fail(lk: Link, code: str, why: str) -> None:
-        nonlocal first, outcome
+    first_rank = 0
+    first_at = 0.0
+
+    def fail(lk: Link, code: str, why: str, rank: int = 1) -> None:
+        """A failure report. The first one starts the teardown at once. Ranks fail together (a
+        crashed rank's peers abort within a second), and the first report can come from a
+        victim (the chief's guard has no ssh hop): within ROOT_CAUSE_WINDOW, a report with a
+        lower cause rank (0: a worker failed by itself; 1: a job's exit, a worker's signal; 2: a
+        worker that lost a peer; 3: a lost host) becomes the first failure instead."""
+        nonlocal first, outcome, first_rank, first_at
+        entry = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why}
         if first is None and outcome == "ok":
-            first = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why}
+            first, first_rank, first_at = entry, rank, time.monotonic()
             outcome = "failed"
             log(f"first failure: {lk.name}: {why}")
             # a job host whose job is ending by itself is spared (it keeps its own exit code)
             stop_all(f"{lk.name}: {why}", spare=lk.name if lk.has_job and code != "lost" else "")
+        elif (first is not None and rank < first_rank and lk.name != first["host"]
+              and time.monotonic() - first_at < P.ROOT_CAUSE_WINDOW):  # fmt: skip
+            log(f"root cause: {lk.name}: {why} (before it: {first['host']}: {first['why']})")
+            first, first_rank = entry, rank
 
     def handle(lk: Link, line: str) -> None:
         words = line.split()
@@ -176,20 +189,27 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
                 first["code"] = int(lk.ended)  # torchrun's failure line came first; this is its exit
             if lk.ended == "killed":
                 if not lk.sent_stop:  # stopped by someone else (an operator, its own dead man's switch)
-                    fail(lk, "lost", "stopped outside the supervisor: " + " ".join(words[2:]))
+                    fail(lk, "lost", "stopped outside the supervisor: " + " ".join(words[2:]), 3)
             elif lk.ended != "0":
-                fail(lk, lk.ended, "its host agent died" if lk.ended == "agent-died" else f"exited {lk.ended}")
-        elif line == "agent-failed":
-            fail(lk, "agent-failed", "torchrun reported a failed worker")
+                died = lk.ended == "agent-died"
+                fail(lk, lk.ended, "its host agent died" if died else f"exited {lk.ended}", 3 if died else 1)
+        elif words[0] == "agent-failed":
+            worker = words[1] if len(words) == 3 and words[1].lstrip("-").isdigit() else ""
+            if worker.startswith("-") and lk.sent_stop:
+                return  # its workers died of this supervisor's own stop
+            peer = words[-1] == "peer"
+            rank = 2 if peer else 1 if worker.startswith("-") or not worker else 0
+            detail = f" (exit code {worker}{', after losing a peer' if peer else ''})" if worker else ""
+            fail(lk, worker if rank == 0 else "agent-failed", "torchrun reported a failed worker" + detail, rank)
         elif words[0] == "pdsh-failed" and len(words) == 3:
-            fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)")
+            fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)", 1)
         elif words[0] == "stopped" and len(words) == 2:
             lk.left = int(words[1])
         elif words[0] == "lost-stopped":
             lk.left, lk.ended = int(words[1]), "lost"
             lk.lost = "its guard stopped the run there: " + " ".join(words[2:])
             if not lk.sent_stop:
-                fail(lk, "lost", lk.lost)
+                fail(lk, "lost", lk.lost, 3)
 
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
     while len(gone) < len(links):
@@ -210,7 +230,7 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
             gone.add(lk.name)
             if lk.ended is None and not (lk.sent_stop and lk.left is not None):
                 lk.ended = "lost"
-                fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}")
+                fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}", 3)
         else:
             log(f"{lk.name}: {line}")
             handle(lk, line)
