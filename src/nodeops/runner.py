@@ -206,6 +206,7 @@ def run_playbook(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     pdd = runs_dir() / f"{kind}-{stamp}-{_secrets.token_hex(3)}"
     pdd.mkdir(mode=0o700)
+    (pdd / "nodeops.pid").write_text(f"{os.getpid()}\n")  # `nodeops clean` keeps the dir while this lives
     (pdd / "inventory").mkdir(mode=0o700)
     (pdd / "inventory" / "hosts.yml").write_text(ansible_yaml(dict(inventory)))
     # ssh masters per identity set: runs with other keys or users never share a connection.

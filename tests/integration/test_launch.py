@@ -457,3 +457,58 @@ def test_shared_envs_reach_the_job_expanded_as_on_autodist(project: Path, first_
     assert path.startswith("/home/debian/bin:/") and "$" not in path, path  # expanded, once
     assert path.count("/home/debian/bin") == 1, path
     assert lit == "a b $"
+
+
+def test_runs_lists_and_clean_never_touches_a_running_run(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object, tmp_path: Path
+) -> None:
+    """Issue 17, items 12 and 13, on a controller home of its own."""
+    env = {**os.environ, "NODEOPS_HOME": str(tmp_path / "home"), "NODEOPS_IT_SECRET": SECRET}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([NODEOPS, *args], capture_output=True, text=True, timeout=300, check=False, env=env)
+
+    spec = str(project / "cluster.yaml")
+    done = cli("launch", spec, "--", "ddp_train.py", "--steps", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    live = cli("launch", "--detach", spec, "--", "ddp_train.py", "--steps", "1000", "--sleep", "0.5")
+    assert live.returncode == 0, live.stderr[-2000:]
+    live_id = live.stdout.strip()
+    try:
+        listed = cli("runs", "--json")
+        assert listed.returncode == 0, listed.stderr
+        rows = json.loads(listed.stdout)
+        assert rows[0]["run_id"] == live_id  # newest first
+        state = {r["run_id"]: (r["state"], r["exit_code"]) for r in rows}
+        done_id = next(i for i in state if i != live_id)
+        assert state == {live_id: ("running", None), done_id: ("ok", 0)}, state
+        table = cli("runs").stdout.splitlines()
+        assert table[0].split()[:3] == ["RUN", "ID", "STATE"] and table[1].startswith(live_id), table
+
+        def dirs() -> dict[str, list[str]]:
+            return {
+                n.name: ssh(sandbox_cluster, n.name, "ls .nodeops/runs").stdout.split() for n in sandbox_cluster.nodes
+            }
+
+        before = dirs()
+        assert all({done_id, live_id} <= set(v) for v in before.values()), before
+        dry = cli("clean", "--all", "--dry-run")
+        assert dry.returncode == 0 and f"would remove {done_id}" in dry.stderr, dry.stderr
+        assert f"would remove {live_id}" not in dry.stderr and f"keep   {live_id}  running" in dry.stderr
+        assert dirs() == before and (tmp_path / "home" / "jobs" / done_id).is_dir()
+        cleaned = cli("clean", "--all")
+        assert cleaned.returncode == 0, cleaned.stderr
+        assert f"keep   {live_id}  running" in cleaned.stderr
+        after = dirs()
+        assert all(done_id not in v and live_id in v for v in after.values()), after
+        assert not (tmp_path / "home" / "jobs" / done_id).exists() and (tmp_path / "home" / "jobs" / live_id).is_dir()
+        st = cli("status", live_id)
+        assert st.returncode == 0 and st.stdout.split().count("running") == 3, st.stdout  # untouched, still running
+    finally:
+        cli("stop", live_id)
+    assert no_leftovers_within(sandbox_cluster, 5) == CLEAN
+    again = cli("stop", live_id)  # issue 17, item 6: stopping a finished run says so, exit 0
+    assert again.returncode == 0 and "had already ended" in again.stderr, again.stderr
+    assert cli("clean", "--all").returncode == 0
+    assert all(live_id not in v for v in dirs().values())
+    assert json.loads(cli("runs", "--json").stdout) == []

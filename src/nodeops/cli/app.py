@@ -17,6 +17,26 @@ import typer
 from nodeops import __version__
 from nodeops.errors import EXIT_INTERRUPTED, EXIT_SPEC, NodeopsError, SpecError
 
+
+def _plain_metavar(self: typer.core.TyperOption | typer.core.TyperArgument, ctx: object) -> str | None:
+    """Help's type column the way click and every Unix tool write it: nothing for a flag, an
+    upper-case word for a value (INTEGER, TEXT, PATH), the choices for a choice. typer 0.29's
+    own (``<bool>``, ``<int>``, ``<list[str]>``) reads like a Python signature."""
+    if self.metavar is not None:
+        return self.metavar
+    if getattr(self, "is_flag", False) or getattr(self, "count", False):
+        return None
+    label = self.display_type(ctx).strip("<>")  # type: ignore[arg-type]
+    many = label.startswith("list[")
+    label = label.removeprefix("list[").removesuffix("]") if many else label
+    word = {"int": "INTEGER", "str": "TEXT", "float": "FLOAT", "Path": "PATH", "path": "PATH"}.get(label)
+    shown = word or (f"[{label}]" if "|" in label else label.upper())
+    return shown + ("..." if self.nargs != 1 else "")  # a list option repeats; each takes one
+
+
+typer.core.TyperOption.display_type_rich = _plain_metavar  # type: ignore[method-assign]
+typer.core.TyperArgument.display_type_rich = _plain_metavar  # type: ignore[method-assign,assignment]
+
 EPILOG = "Exit codes: 0 ok; 1 a host or check failed; 2 bad spec, hostfile or usage (nothing was run); 130 interrupted."
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 

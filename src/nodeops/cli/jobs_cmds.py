@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from nodeops.cli.app import app, err, errors
+from nodeops.cli.app import app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE
 
 RunArg = Annotated[
@@ -128,3 +128,122 @@ def stop(run_id: RunArg = None) -> None:
             raise typer.Exit(EXIT_FAILURE)
         err(f"run {job.run_id}: nothing of it is left running on {len(states)} host(s)"
             + ("" if ended is not None else "; stopped"))  # fmt: skip
+
+
+def _when(ts: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "?"
+
+
+@app.command(
+    epilog="Examples:\n\n    nodeops runs\n\n    nodeops runs --json | jq '.[] | select(.state==\"failed\")'"
+    "\n\n    nodeops runs --local   # no ssh: only what this machine recorded"
+)
+def runs(
+    as_json: Annotated[bool, typer.Option("--json", help="Print a JSON list instead of a table.")] = False,
+    local: Annotated[
+        bool, typer.Option("--local", help="No ssh: runs without a verdict here show as unknown.")
+    ] = False,
+) -> None:
+    """List the runs launched from this machine, newest first: id, state, exit code, runner,
+    hosts, start time and spec.
+
+    A run's state comes from its supervisor's verdict (ok, failed, stopped), kept here once known;
+    for the others one ssh to each run's chief says whether it still runs. `gone`: the chief has
+    no trace of it; `unreachable`: its chief did not answer.
+    """
+    import json
+
+    from nodeops import runs as R
+
+    with errors():
+        found = R.local_runs()
+        if not local:
+            R.refresh(found)
+        if as_json:
+            typer.echo(json.dumps([r.row() for r in found], indent=2))
+            return
+        if not found:
+            err("no runs launched from this machine yet (nodeops launch SPEC train.py starts one)")
+            return
+        typer.echo(f"{'RUN ID':20} {'STATE':11} {'EXIT':>4}  {'RUNNER':9} {'HOSTS':>5}  {'STARTED':16}  SPEC")
+        for r in found:
+            j = r.job
+            code = "" if r.exit_code is None else str(r.exit_code)
+            typer.echo(f"{j.run_id:20} {r.state:11} {code:>4}  {j.runner:9} {len(j.kill_hosts):>5}  "
+                       f"{_when(j.started):16}  {j.spec}")  # fmt: skip
+
+
+@app.command(
+    epilog="Examples:\n\n    nodeops clean --older-than 7d --dry-run\n\n    nodeops clean --keep 20"
+    "\n\n    nodeops clean --all"
+)
+def clean(
+    older_than: Annotated[
+        str | None, typer.Option(metavar="AGE", help="Only runs started longer ago than AGE: 30m, 12h, 7d, 2w.")
+    ] = None,
+    keep: Annotated[
+        int | None,
+        typer.Option(metavar="N", min=0, help="Keep the newest N runs (running ones count), and N artifact dirs."),
+    ] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Every finished run.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
+    forget_unreachable: Annotated[
+        bool,
+        typer.Option(
+            "--forget-unreachable",
+            help="Also drop the records here of chosen runs whose hosts do not answer "
+            "(a cluster that is gone); their dirs on those hosts are not touched.",
+        ),
+    ] = False,
+) -> None:
+    """Remove finished runs: their dirs on every host of the run, their records here, and the
+    playbook artifacts of setup/check runs (~/.nodeops/runs).
+
+    A run that is running, or whose chief cannot be reached, is never touched; on each host a
+    run dir is removed only when no process of that run is alive there. A run whose dirs could
+    not all be removed keeps its record here, so a later clean retries it.
+    """
+    from nodeops import runs as R
+    from nodeops.runner import runs_dir
+
+    with errors():
+        if older_than is None and keep is None and not all_:
+            fail("error: say what to remove: --older-than AGE, --keep N or --all (add --dry-run to preview)", 2)
+        age = R.parse_duration(older_than) if older_than is not None else None
+        found = R.local_runs()
+        R.refresh(found)
+        chosen = R.choose(found, older_than=age, keep=keep)
+        forget = R.choose(found, older_than=age, keep=keep, states=("unreachable",)) if forget_unreachable else []
+        arts = R.choose_artifacts(R.artifact_dirs(runs_dir()), older_than=age, keep=keep)
+        for r in found:
+            if r.state == "running":
+                err(f"keep   {r.job.run_id}  running: {r.detail}")
+        unreachable = [r for r in found if r.state == "unreachable" and r not in forget]
+        if unreachable:
+            err(f"keep   {len(unreachable)} run(s) whose chief did not answer (e.g. {unreachable[0].detail}); "
+                "--forget-unreachable drops their records here")  # fmt: skip
+        verb = "would remove" if dry_run else "remove"
+        for r in chosen:
+            err(f"{verb} {r.job.run_id}  {r.state:8} {_when(r.job.started)}  {R.human_size(r.size)} here, "
+                f"and its dir on {', '.join(r.job.kill_hosts)}")  # fmt: skip
+        if forget:
+            err(f"{'would forget' if dry_run else 'forget'} {len(forget)} unreachable run(s) (records here only)")
+        art_size = sum(a.size for a in arts)
+        if arts:
+            err(f"{verb} {len(arts)} playbook artifact dir(s) in {runs_dir()} ({R.human_size(art_size)})")
+        if dry_run:
+            err(f"dry run: {len(chosen) + len(forget)} run(s) and {len(arts)} artifact dir(s) would be removed; "
+                "nothing was")  # fmt: skip
+            return
+        done = R.remove(chosen, forget_unreachable)
+        freed = done.freed + art_size + R.forget(forget)
+        for a in arts:
+            R.rmtree(a.path)
+        for run_id, why in done.problems.items():
+            err(f"kept   {run_id}: " + "; ".join(why))
+        err(f"removed {len(done.removed_local) + len(forget)} run(s) and {len(arts)} artifact dir(s); "
+            f"freed {R.human_size(freed)} here")  # fmt: skip
+        if done.problems:
+            raise typer.Exit(EXIT_FAILURE)

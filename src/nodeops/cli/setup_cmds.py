@@ -98,10 +98,16 @@ def setup(
     ] = False,
     diff: Annotated[bool, typer.Option("--diff", help="Show file changes.")] = False,
     limit: Annotated[
-        str | None, typer.Option(help="Only these hosts (comma-separated spec names or addresses).")
+        str | None, typer.Option(metavar="HOSTS", help="Only these hosts (comma-separated spec names or addresses).")
     ] = None,
     tags: Annotated[
-        list[str] | None, typer.Option("--tags", help=f"Only these roles/phases: {', '.join(ROLE_TAGS)}.")
+        list[str] | None,
+        typer.Option(
+            "--tags",
+            metavar="TAG",
+            help=f"Only these roles: {', '.join(ROLE_TAGS)}; or phases: {', '.join(PHASE_TAGS)} "
+            "(repeat the option, or comma-separate).",
+        ),
     ] = None,
     verbose: Annotated[int, typer.Option("-v", count=True, help="Ansible verbosity (repeat for more).")] = 0,
 ) -> None:

@@ -1,0 +1,318 @@
+"""The runs this controller launched (``~/.nodeops/jobs/<run id>``) and the playbook artifacts
+it kept (``~/.nodeops/runs/<kind>-<stamp>-<hex>``): listing them (``nodeops runs``) and removing
+finished ones (``nodeops clean``), on the controller and on every host of a run.
+
+A launch run's state comes from the supervisor's verdict: the copy kept on the controller
+(``result.json``, written when an attached launch ends, or by an earlier ``runs``), else one ssh
+to the chief that reads it there, or says the supervisor still runs. Removal is guarded twice:
+only runs whose verdict exists (or whose chief has no trace of them) are chosen, and on each host
+the run dir is removed only when no process of the run is alive there (``agent.py status``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeops import jobs
+from nodeops.errors import NodeopsError
+from nodeops.launch import protocol as P
+from nodeops.quoting import sh_word
+
+FINISHED = ("ok", "failed", "stopped", "gone")  # what clean may remove
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+class UsageError(NodeopsError):
+    exit_code = 2
+
+
+def parse_duration(text: str) -> float:
+    """'90s', '30m', '12h', '7d', '2w' -> seconds; anything else is a usage error."""
+    m = _DURATION.match(text.strip())
+    if not m:
+        raise UsageError(f"--older-than {text!r}: give a number and a unit, like 30m, 12h, 7d or 2w")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+@dataclass
+class Run:
+    """One launch run as the controller knows it."""
+
+    job: jobs.Job
+    state: str = "unknown"  # running | ok | failed | stopped | gone | unreachable | unknown
+    detail: str = ""  # the verdict in words, or why the state is not known
+    exit_code: int | None = None
+    size: int = 0  # bytes of its record on the controller
+
+    def row(self) -> dict[str, Any]:
+        j = self.job
+        return {"run_id": j.run_id, "spec": j.spec, "runner": j.runner, "hosts": j.kill_hosts, "chief": j.chief,
+                "state": self.state, "started": j.started, "exit_code": self.exit_code, "detail": self.detail,
+                "argv": j.argv}  # fmt: skip
+
+
+def exit_code_of(verdict: dict[str, Any]) -> int | None:
+    """The exit code `nodeops launch` gives (or would have given) for this verdict."""
+    outcome = verdict.get("outcome")
+    if outcome == "ok":
+        return 0
+    if outcome == "stopped":
+        return 130
+    first = verdict.get("first_failure") or {}
+    code = first.get("code")
+    if outcome != "failed":
+        return None
+    return code if isinstance(code, int) and 0 < code < 256 and code not in (2, 130) else 1
+
+
+def apply_verdict(run: Run, verdict: dict[str, Any]) -> None:
+    run.state = str(verdict.get("outcome", "unknown"))
+    run.detail = jobs.describe(verdict)
+    run.exit_code = exit_code_of(verdict)
+
+
+def _size(d: Path) -> int:
+    return sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def local_runs() -> list[Run]:
+    """Every launch run recorded here, newest first (the run id starts with its time)."""
+    out = []
+    for d in sorted((p for p in jobs.jobs_dir().iterdir() if jobs.RUN_ID.match(p.name)), reverse=True):
+        try:
+            job = jobs.find(d.name)
+        except (jobs.JobError, ValueError, TypeError):
+            continue  # a dir without a readable job.json: not a run record
+        run = Run(job, size=_size(d))
+        local = d / "result.json"
+        if local.is_file():
+            try:
+                verdict = json.loads(local.read_text()).get("supervisor")
+            except ValueError:
+                verdict = None
+            if verdict:
+                apply_verdict(run, verdict)
+        out.append(run)
+    return out
+
+
+# One ssh to the chief: the verdict if there is one, else whether its supervisor still runs.
+_PROBE = """d={d}
+if [ -e "$d/result.json" ]; then echo verdict; cat "$d/result.json"
+elif [ ! -d "$d" ]; then echo gone
+else
+  p=$(cat "$d/supervisor.pid" 2>/dev/null || true)
+  if [ -n "$p" ] && grep -qs supervisor.py "/proc/$p/cmdline"; then echo running
+  elif [ -e "$d/agent.py" ] && python3 "$d/agent.py" status | grep -q '^running\\|alive'; then echo running
+  else echo ended
+  fi
+fi
+"""
+
+
+def refresh(runs: Sequence[Run]) -> None:
+    """Ask each chief about the runs with no verdict here, in parallel; keep what it says."""
+    todo = [r for r in runs if r.state == "unknown"]
+
+    def one(run: Run) -> None:
+        j = run.job
+        script = _PROBE.format(d=sh_word(jobs.remote_dir(j.run_id)))
+        try:
+            p = subprocess.run(jobs.ssh_argv(j.ssh_config, j.chief, "bash", "-c", sh_word(_home(script))),
+                               capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            run.state, run.detail = "unreachable", f"{j.chief}: ssh timed out"
+            return
+        if p.returncode != 0:
+            run.state, run.detail = "unreachable", f"{j.chief}: {jobs.last_line(p.stderr, 'ssh failed')}"
+            return
+        head, _, rest = p.stdout.partition("\n")
+        if head == "verdict":
+            try:
+                verdict = json.loads(rest)
+            except ValueError:
+                run.state, run.detail = "unknown", "the chief's result.json is not JSON"
+                return
+            apply_verdict(run, verdict)
+            # keep it here: later listings need no ssh
+            (j.dir / "result.json").write_text(json.dumps({"supervisor": verdict}, indent=2))
+        elif head == "gone":
+            run.state, run.detail = "gone", f"no trace of it on {j.chief} (removed, or it never started)"
+        elif head == "running":
+            run.state, run.detail = "running", f"its supervisor runs on {j.chief}"
+        else:
+            run.state, run.detail = "failed", "ended without a verdict (it failed while starting)"
+
+    parallel(todo, one)
+
+
+def parallel(items: Sequence[Any], fn: Any) -> None:
+    """fn(item) for every item at once (one thread each, at most 64)."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(64, len(items)))) as pool:
+        list(pool.map(fn, items))
+
+
+def _home(script: str) -> str:
+    """The run dir is relative to the remote home: make the probe cd there first."""
+    return 'cd "$HOME" || exit 1\n' + script
+
+
+def choose(
+    runs: Sequence[Run],
+    *,
+    older_than: float | None,
+    keep: int | None,
+    now: float | None = None,
+    states: Sequence[str] = FINISHED,
+) -> list[Run]:
+    """The runs in ``states`` (finished ones) to remove: older than ``older_than`` seconds, and
+    beyond the newest ``keep`` runs (running ones count towards keep); both when both are given."""
+    now = time.time() if now is None else now
+    newest_first = sorted(runs, key=lambda r: r.job.started, reverse=True)
+    kept = {r.job.run_id for r in newest_first[: keep or 0]} if keep is not None else set()
+    return [r for r in newest_first if r.state in states and r.job.run_id not in kept
+            and (older_than is None or now - r.job.started >= older_than)]  # fmt: skip
+
+
+def rmtree(d: Path) -> None:
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def forget(runs: Sequence[Run]) -> int:
+    """Drop these runs' records here (their hosts are gone); returns the bytes freed."""
+    for r in runs:
+        rmtree(r.job.dir)
+    return sum(r.size for r in runs)
+
+
+# On each host: remove the given run dirs, unless a process of that run is alive there.
+_REMOVE = """cd "$HOME" || exit 1
+for id in "$@"; do
+  d="{runs}/$id"
+  if [ ! -e "$d" ]; then echo "gone $id"; continue; fi
+  if [ -e "$d/agent.py" ]; then
+    s=$(python3 "$d/agent.py" status 2>&1 || true)
+    case "$s" in running*|*alive*) echo "busy $id $s"; continue;; esac
+  fi
+  p=$(cat "$d/supervisor.pid" 2>/dev/null || true)
+  if [ -n "$p" ] && [ ! -e "$d/result.json" ] && grep -qs supervisor.py "/proc/$p/cmdline"; then
+    echo "busy $id its supervisor runs"; continue
+  fi
+  if rm -rf -- "$d"; then echo "removed $id"; else echo "failed $id"; fi
+done
+"""
+
+
+@dataclass
+class Removal:
+    removed_local: list[str] = field(default_factory=list)
+    problems: dict[str, list[str]] = field(default_factory=dict)  # run id -> why it was kept
+    freed: int = 0
+
+
+def remove(runs: Sequence[Run], forget_unreachable: bool = False) -> Removal:
+    """Remove each run's dir on every host of it (one ssh per host for all its runs), then its
+    record here once every host confirmed. A host that cannot be reached, or where the run still
+    has a process, keeps the record (a later clean retries); with ``forget_unreachable``, a run
+    whose only problem is unreachable hosts loses its record anyway."""
+    out = Removal()
+    # host + ssh_config text -> (a config file to use, the runs to remove there)
+    groups: dict[tuple[str, str], tuple[Path, list[str]]] = {}
+    for r in runs:
+        cfg = r.job.ssh_config
+        text = cfg.read_text() if cfg.is_file() else ""
+        for h in r.job.kill_hosts:
+            groups.setdefault((h, text), (cfg, []))[1].append(r.job.run_id)
+    replies: dict[str, dict[str, str]] = {}  # run id -> host -> reply
+
+    def one(key: tuple[str, str]) -> None:
+        host = key[0]
+        cfg, ids = groups[key]
+        argv = jobs.ssh_argv(cfg, host, "bash", "-c", sh_word(_REMOVE.format(runs=P.RUNS_DIR)), "nodeops-clean",
+                             *(sh_word(jobs.check_run_id(i)) for i in ids))  # fmt: skip
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+            said = {ln.split()[1]: ln for ln in p.stdout.splitlines() if len(ln.split()) >= 2}
+            why = "" if p.returncode == 0 else f"unreachable: {jobs.last_line(p.stderr, f'ssh exited {p.returncode}')}"
+        except subprocess.TimeoutExpired:
+            said, why = {}, "unreachable: ssh timed out"
+        for i in ids:
+            replies.setdefault(i, {})[host] = said.get(i, why or "no answer")
+
+    parallel(list(groups), one)
+    for r in runs:
+        bad = [f"{h}: {reply}" for h, reply in replies.get(r.job.run_id, {}).items()
+               if not reply.startswith(("removed ", "gone "))]  # fmt: skip
+        if bad and not (forget_unreachable and all(b.split(": ", 1)[1].startswith("unreachable") for b in bad)):
+            out.problems[r.job.run_id] = bad
+            continue
+        rmtree(r.job.dir)
+        out.removed_local.append(r.job.run_id)
+        out.freed += r.size
+    return out
+
+
+# --------------------------------------------------------------------------- playbook artifacts
+_ARTIFACT_DIR = re.compile(r"^[a-z]+-\d{8}-\d{6}-[0-9a-f]{6}$")
+
+
+@dataclass
+class Artifacts:
+    path: Path
+    started: float
+    running: bool
+    size: int
+
+
+def _pid_alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text().strip()), 0)
+    except PermissionError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def artifact_dirs(base: Path) -> list[Artifacts]:
+    """The playbook runs' private dirs (setup, check, launch --via ansible, --sync), newest first.
+    One is running while the nodeops process that wrote its ``nodeops.pid`` lives."""
+    out = []
+    for d in sorted((p for p in base.iterdir() if p.is_dir() and _ARTIFACT_DIR.match(p.name)), reverse=True):
+        stamp = "-".join(d.name.split("-")[1:3])
+        try:
+            started = time.mktime(time.strptime(stamp, "%Y%m%d-%H%M%S"))
+        except ValueError:
+            continue
+        pid = d / "nodeops.pid"
+        running = _pid_alive(pid) if pid.exists() else time.time() - d.stat().st_mtime < 3600
+        out.append(Artifacts(d, started, running, _size(d)))
+    return out
+
+
+def choose_artifacts(dirs: Sequence[Artifacts], *, older_than: float | None, keep: int | None,
+                     now: float | None = None) -> list[Artifacts]:  # fmt: skip
+    now = time.time() if now is None else now
+    kept = {a.path for a in dirs[: keep or 0]} if keep is not None else set()
+    return [a for a in dirs if not a.running and a.path not in kept
+            and (older_than is None or now - a.started >= older_than)]  # fmt: skip
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"

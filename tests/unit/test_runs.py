@@ -1,0 +1,95 @@
+"""`nodeops runs` / `nodeops clean`: the pure parts (durations, which runs are chosen, the exit
+code a verdict stands for, playbook artifact dirs). The ssh parts run in
+tests/integration/test_launch.py against the sandbox."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeops import jobs
+from nodeops import runs as R
+
+
+def run(run_id: str, state: str, started: float) -> R.Run:
+    return R.Run(jobs.Job(run_id=run_id, dir=Path("/nonexistent"), hosts=["h1"], argv=["t.py"], runner="torchrun",
+                          started=started), state=state)  # fmt: skip
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800),
+                                               ("2w", 1209600), ("1.5h", 5400)])  # fmt: skip
+def test_durations(text: str, seconds: float) -> None:
+    assert R.parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["7", "d", "-1d", "7 days", "1y", ""])
+def test_bad_durations_are_usage_errors(text: str) -> None:
+    with pytest.raises(R.UsageError, match="give a number and a unit"):
+        R.parse_duration(text)
+
+
+def test_choose_never_picks_a_running_or_unknown_run_and_honours_keep_and_age() -> None:
+    now = 1_000_000.0
+    runs = [run("r5", "running", now - 10), run("r4", "ok", now - 100), run("r3", "failed", now - 4000),
+            run("r2", "unreachable", now - 5000), run("r1", "stopped", now - 90000),
+            run("r0", "gone", now - 99999)]  # fmt: skip
+    ids = lambda rs: [r.job.run_id for r in rs]  # noqa: E731
+    assert ids(R.choose(runs, older_than=None, keep=None, now=now)) == ["r4", "r3", "r1", "r0"]
+    assert ids(R.choose(runs, older_than=None, keep=2, now=now)) == ["r3", "r1", "r0"]  # r5 (running) counts
+    assert ids(R.choose(runs, older_than=3600, keep=None, now=now)) == ["r3", "r1", "r0"]
+    assert ids(R.choose(runs, older_than=86400, keep=3, now=now)) == ["r1", "r0"]
+    assert ids(R.choose(runs, older_than=None, keep=0, now=now, states=("unreachable",))) == ["r2"]
+
+
+@pytest.mark.parametrize(
+    ("verdict", "code"),
+    [({"outcome": "ok"}, 0), ({"outcome": "stopped"}, 130), ({"outcome": "error"}, None),
+     ({"outcome": "failed", "first_failure": {"host": "n3", "code": 3}}, 3),
+     ({"outcome": "failed", "first_failure": {"host": "n3", "code": 2}}, 1),  # 2 is nodeops' own
+     ({"outcome": "failed", "first_failure": {"host": "n3", "code": None}}, 1)],
+)  # fmt: skip
+def test_exit_code_of_a_verdict_is_what_launch_gives(verdict: dict[str, object], code: int | None) -> None:
+    assert R.exit_code_of(verdict) == code
+
+
+def test_artifact_dirs_running_while_their_nodeops_lives(tmp_path: Path) -> None:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() - 7200))
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for name, pid in (("setup", alive.pid), ("check", 2**22 + 7)):  # the second pid is never a live one
+            d = tmp_path / f"{name}-{stamp}-abcdef"
+            d.mkdir()
+            (d / "nodeops.pid").write_text(f"{pid}\n")
+        (tmp_path / "not-ours").mkdir()
+        found = {a.path.name.split("-")[0]: a for a in R.artifact_dirs(tmp_path)}
+        assert set(found) == {"setup", "check"}
+        assert found["setup"].running and not found["check"].running
+        chosen = R.choose_artifacts(list(found.values()), older_than=3600, keep=None)
+        assert [a.path.name.split("-")[0] for a in chosen] == ["check"]
+        assert R.choose_artifacts(list(found.values()), older_than=3 * 3600, keep=None) == []
+    finally:
+        alive.kill()
+        alive.wait()
+
+
+def test_clean_without_a_criterion_is_usage_and_removes_nothing(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "nodeops", "clean"], capture_output=True, text=True, check=False,
+                       env={**os.environ, "NODEOPS_HOME": str(tmp_path)})  # fmt: skip
+    assert r.returncode == 2 and "--older-than AGE, --keep N or --all" in r.stderr, r.stderr
+    bad = subprocess.run([sys.executable, "-m", "nodeops", "clean", "--older-than", "7 days"], capture_output=True,
+                         text=True, check=False, env={**os.environ, "NODEOPS_HOME": str(tmp_path)})  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --older-than"), bad.stderr
+
+
+def test_runs_on_a_fresh_controller_says_there_are_none(tmp_path: Path) -> None:
+    env = {**os.environ, "NODEOPS_HOME": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "nodeops", "runs"], capture_output=True, text=True, check=False, env=env)
+    assert r.returncode == 0 and "no runs launched from this machine yet" in r.stderr
+    j = subprocess.run([sys.executable, "-m", "nodeops", "runs", "--json"], capture_output=True, text=True,
+                       check=False, env=env)  # fmt: skip
+    assert j.returncode == 0 and j.stdout.strip() == "[]"
