@@ -68,6 +68,21 @@ def run_dir(run_id: str) -> str:
     return f"{HOME}/.nodeops/runs/{run_id}"
 
 
+def job_env(runner: str, h: launchers.HostLaunch, rdir: str) -> dict[str, str]:
+    """What job.sh exports on a host, beyond env.sh and secrets.env (which setup wrote)."""
+    env = {**h.env, "NODEOPS_RUN_DIR": rdir}
+    if runner == "torchrun":
+        env.update({"PET_LOG_DIR": f"{rdir}/ranks", "PET_TEE": "3",
+                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"})  # fmt: skip
+    return env
+
+
+def job_workdir(loaded: LoadedSpec, run_id: str) -> str:
+    """Where job.sh runs: the spec's workdir, else the run dir."""
+    wd = loaded.spec.workdir
+    return wd.path if wd is not None else run_dir(run_id)
+
+
 def host_files(
     loaded: LoadedSpec, plan: list[launchers.HostLaunch], run_id: str, run_config: dict[str, Any]
 ) -> dict[str, list[RunFile]]:
@@ -95,11 +110,8 @@ def host_files(
         if runner == "mpirun":
             files.append(RunFile("mpi_shim.sh", launchers.MPI_SHIM, "0755"))
         if h.argv:
-            env = {**h.env, "NODEOPS_RUN_DIR": rdir}
-            if runner == "torchrun":
-                env.update({"PET_LOG_DIR": f"{rdir}/ranks", "PET_TEE": "3",
-                            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"})  # fmt: skip
-            workdir = spec.workdir.path if spec.workdir is not None else rdir
+            env = job_env(runner, h, rdir)
+            workdir = job_workdir(loaded, run_id)
             files.append(RunFile("job.sh", tpl(
                 "job.sh.j2", host=h.host, node_rank=h.node_rank, runner=runner, workdir=workdir,
                 env_file=f"{HOME}/.nodeops/{loaded.cluster_name}/env.sh", activate=activation(spec, node),

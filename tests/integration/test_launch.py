@@ -512,3 +512,25 @@ def test_runs_lists_and_clean_never_touches_a_running_run(
     assert cli("clean", "--all").returncode == 0
     assert all(live_id not in v for v in dirs().values())
     assert json.loads(cli("runs", "--json").stdout) == []
+
+
+def test_dry_run_starts_nothing_and_masks_secrets(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    """Issue 17, item 14: every host's command line, env and files; no process, no run dir."""
+
+    def run_dirs() -> dict[str, str]:
+        return {n.name: ssh(sandbox_cluster, n.name, "ls -a .nodeops/runs 2>/dev/null || true").stdout
+                for n in sandbox_cluster.nodes}  # fmt: skip
+
+    before = run_dirs()
+    p = launch(project / "cluster.yaml", "--dry-run", "--", "ddp_train.py", "--steps", "1000", "--note", "a b")
+    assert p.returncode == 0, p.stderr
+    assert "nothing is started" in p.stderr
+    for rank, node in enumerate(("node1", "node2", "node3")):
+        assert re.search(rf"^{node} \(10\.214\.0\.1\d, node rank {rank}, 1 process\(es\)\)$", p.stdout, re.M), p.stdout
+    assert p.stdout.count("ddp_train.py --steps 1000 --note 'a b'") == 3
+    assert "IT_SECRET=******" in p.stdout and SECRET not in p.stdout + p.stderr
+    assert re.search(r"files to ~/\.nodeops/runs/\d{8}-\d{6}-[0-9a-f]{4}/: .*job\.sh \(0700", p.stdout)
+    assert leftovers(sandbox_cluster, HELPERS) == CLEAN
+    assert run_dirs() == before

@@ -18,6 +18,7 @@ from nodeops.cli.app import CONTEXT, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
 
 if TYPE_CHECKING:
+    from nodeops.launchers import HostLaunch
     from nodeops.spec import LoadedSpec, ResourceSpec
 
 
@@ -64,7 +65,8 @@ class ScriptCommand(TyperCommand):
     epilog=(
         "Examples:\n\n    nodeops launch cluster.yaml train.py --lr 1e-3\n\n"
         "    nodeops launch --detach cluster.yaml -- train.py --lr 1e-3   # `--` is optional\n\n"
-        "    nodeops launch cluster.yaml --script run.sh -- --epochs 2   # run.sh calls $NODEOPS_RUNNER train.py"
+        "    nodeops launch cluster.yaml --script run.sh -- --epochs 2   # run.sh calls $NODEOPS_RUNNER train.py\n\n"
+        "    nodeops launch --dry-run cluster.yaml train.py   # each host's command, env and files; starts nothing"
     ),
 )
 def launch(
@@ -81,6 +83,14 @@ def launch(
     ] = Via.ssh,
     no_check: Annotated[
         bool, typer.Option("--no-check", help="Skip the preflight (ssh from the chief, ports, version parity).")
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Print each host's command line, environment (secrets masked), working dir and the "
+            "files that would be shipped; start nothing, reach no host.",
+        ),
     ] = False,
     verbose: Annotated[
         bool, typer.Option("--verbose", "-v", help="On a failure, also print torchrun's failure report.")
@@ -117,6 +127,9 @@ def launch(
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
         s = loaded.spec
+        if dry_run:
+            show_dry_run(loaded, user_argv, script)
+            return
         if sync:
             sync_workdir(loaded)
         if not no_check:
@@ -125,12 +138,7 @@ def launch(
         local = jobs.jobs_dir() / run_id
         local.mkdir(mode=0o700)
         (local / "ssh_config").write_text(ssh_config(loaded))
-        ifname = s.network.socket_ifname if s.network.socket_ifname != "auto" else None
-        plan = launchers.plan(
-            s, user_argv, run_id, socket_ifname=ifname, env_names=forwarded_env(s), script=script,
-            shim_path=f"@@HOME@@/{jobs.remote_dir(run_id)}/mpi_shim.sh",
-            hostfile_path=f"@@HOME@@/.nodeops/{loaded.cluster_name}/hostfile",
-        )  # fmt: skip
+        plan = launch_plan(loaded, user_argv, run_id, script)
         started = [h.host for h in plan if h.argv]
         all_hosts = [h.host for h in plan]
         addresses = {n.address: s.alias(n) for n in s.nodes}
@@ -236,6 +244,62 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def launch_plan(loaded: LoadedSpec, user_argv: list[str], run_id: str, script: str | None) -> list[HostLaunch]:
+    """Every host's launch: its command line, node rank and the env launch adds."""
+    from nodeops import jobs, launchers
+
+    s = loaded.spec
+    ifname = s.network.socket_ifname if s.network.socket_ifname != "auto" else None
+    return launchers.plan(
+        s, user_argv, run_id, socket_ifname=ifname, env_names=forwarded_env(s), script=script,
+        shim_path=f"@@HOME@@/{jobs.remote_dir(run_id)}/mpi_shim.sh",
+        hostfile_path=f"@@HOME@@/.nodeops/{loaded.cluster_name}/hostfile",
+    )  # fmt: skip
+
+
+def show_dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None) -> None:
+    """`launch --dry-run`: what each host would run, from the same plan and files a launch ships;
+    nothing is started and no host is reached (so no preflight)."""
+    from nodeops import jobs, starter
+    from nodeops.quoting import sh_word
+
+    s = loaded.spec
+    run_id = jobs.new_run_id()
+    plan = launch_plan(loaded, user_argv, run_id, script)
+    started = [h.host for h in plan if h.argv]
+    run_config = {"run_id": run_id, "hosts": supervised_hosts(s, started), "pdsh": s.launch.runner == "deepspeed",
+                  "agent_final": s.launch.runner == "torchrun" and s.launch.max_restarts == 0}  # fmt: skip
+    files = starter.host_files(loaded, plan, run_id, run_config)
+
+    def home(text: str) -> str:
+        return text.replace("@@HOME@@", "~")
+
+    rdir = starter.run_dir(run_id)
+    spec_env = [(n, "******" if v.secret else (v.value if v.value is not None else f"${v.from_env} at setup"))
+                for n, v in s.env.items()]  # fmt: skip
+    nodes = {s.alias(n): n for n in s.nodes}
+    err(f"==> dry run of {s.launch.runner} on {len(plan)} host(s); run id would be like {run_id}; nothing is started")
+    for h in plan:
+        node = nodes[h.host]
+        typer.echo(f"{h.host} ({h.address}, node rank {h.node_rank}, {h.nproc} process(es))")
+        if not h.argv:
+            typer.echo(f"  command:  none here; the chief's {s.launch.runner} starts its ranks")
+        else:
+            typer.echo(f"  workdir:  {home(starter.job_workdir(loaded, run_id))}")
+            typer.echo(f"  command:  {home(' '.join(sh_word(a) for a in h.argv))}")
+            typer.echo("  env (launch):")
+            for k, v in sorted(starter.job_env(s.launch.runner, h, rdir).items()):
+                typer.echo(f"    {k}={home(v)}")
+            shared = s.group(node).shared_envs
+            if shared or spec_env:
+                typer.echo(f"  env (setup wrote these to ~/.nodeops/{loaded.cluster_name}/env.sh, secrets to "
+                           "secrets.env, beside the NCCL/Gloo settings):")  # fmt: skip
+                for k, v in [*spec_env, *((k, str(v)) for k, v in shared.items())]:
+                    typer.echo(f"    {k}={v}")
+        shipped = ", ".join(f"{f.name} ({f.mode}, {len(f.content.encode())} B)" for f in files[h.host])
+        typer.echo(f"  files to ~/{jobs.remote_dir(run_id)}/: {shipped}")
 
 
 def forwarded_env(spec: ResourceSpec) -> list[str]:
