@@ -11,10 +11,10 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from nodeops import deepspeed, workdir
-from nodeops.errors import NodeopsError, SpecError
+from nodeops.errors import NodeopsError, SpecError, SpecIssue
 from nodeops.quoting import ansible_yaml, sh_path, sh_word, ssh_config_value
 from nodeops.spec import LoadedSpec, Node, ResourceSpec
 
@@ -193,11 +193,15 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
     }
 
 
-def require_controller_files(loaded: LoadedSpec) -> None:
-    """Every ssh key_file (and an rsync workdir's source) must exist on this machine before any
-    ssh: an ssh that rides another connection, or fails with "Permission denied (publickey)",
-    does not say the file is missing. A spec error (exit 2) with the field's line."""
-    spec, issues, seen = loaded.spec, [], set()
+def controller_issues(
+    loaded: LoadedSpec, environ: Mapping[str, str] | None = None, severity: Literal["error", "warning"] = "error"
+) -> list[SpecIssue]:
+    """What this machine lacks for the spec, each at its field's line: an ssh key_file, an rsync
+    workdir's source, and (with ``environ``) a variable an env entry reads with from_env."""
+    import dataclasses
+
+    spec, seen = loaded.spec, set()
+    issues: list[SpecIssue] = []
     for node in spec.nodes:
         name, group = spec.group_name(node), spec.group(node)
         if name is None or name in seen or not group.key_file:
@@ -212,6 +216,19 @@ def require_controller_files(loaded: LoadedSpec) -> None:
         field_path = ("workdir", "source") if spec.workdir and spec.workdir.source else ("workdir",)
         issues.append(loaded.issue(field_path, f"the source {src} is not a directory on this machine",
                                    "fix workdir.source (relative paths start at the spec's directory)"))  # fmt: skip
+    for name, var in spec.env.items():
+        if environ is not None and var.from_env is not None and var.from_env not in environ:
+            issues.append(loaded.issue(("env", name, "from_env"), f"{var.from_env} is not set in this shell",
+                                       f"export {var.from_env}=... before setup"))  # fmt: skip
+    return [dataclasses.replace(i, severity=severity) for i in issues]
+
+
+def require_controller_files(loaded: LoadedSpec, environ: Mapping[str, str] | None = None) -> None:
+    """Every ssh key_file (and an rsync workdir's source; with ``environ``, every from_env
+    variable) must exist on this machine before any ssh: an ssh that rides another connection,
+    or fails with "Permission denied (publickey)", does not say the file is missing. A spec
+    error (exit 2) with the field's line."""
+    issues = controller_issues(loaded, environ)
     if issues:
         raise SpecError(issues)
 

@@ -165,6 +165,9 @@ def _first_line(text: str) -> str:
 
 
 def _event_error(res: Mapping[str, Any]) -> str:
+    failed_items = [r for r in res.get("results") or () if isinstance(r, Mapping) and r.get("failed")]
+    if failed_items:  # a loop: each failed item's own message (an input check names only its rule)
+        return "; ".join(_event_error(r) for r in failed_items)
     msg = str(res.get("msg") or "")
     # For unreachable hosts, ssh's own line ("ssh: connect to host ...: No route to host") says why.
     ssh_lines = [line.strip() for line in msg.splitlines() if line.strip().startswith(("ssh:", "Host key"))]

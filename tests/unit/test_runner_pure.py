@@ -141,3 +141,13 @@ def test_a_stopped_culprit_keeps_its_ranks_exit_code() -> None:
     assert failure_code(culprit) == 7
     assert failure_code(HostState("n", exit_code=-1)) is None
     assert JobResult("r", {"node3": culprit}, culprit, False, None).exit_code == 7
+
+
+def test_event_error_of_a_loop_names_only_the_failed_items() -> None:
+    from nodeops.runner import _event_error
+
+    res = {"msg": "One or more items failed", "results": [
+        {"failed": False, "msg": "All assertions passed"},
+        {"failed": True, "msg": "shared_path: shared_path_path must be absolute (got 'x')"},
+    ]}  # fmt: skip
+    assert _event_error(res) == "shared_path: shared_path_path must be absolute (got 'x')"

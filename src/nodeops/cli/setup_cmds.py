@@ -128,13 +128,13 @@ def setup(
         loaded = load_spec(spec)
         for w in loaded.warnings:
             err(str(w))
-        inv = inventory(loaded, os.environ)
         by_name = {loaded.spec.alias(n): n.address for n in loaded.spec.ranked_nodes()}
         hosts = list(by_name)
         tag_list = [t for item in (tags or []) for t in item.split(",") if t]
         check_targets(tag_list)
         limited = resolve_limit(by_name, limit)
-        require_controller_files(loaded)
+        require_controller_files(loaded, os.environ)
+        inv = inventory(loaded, os.environ)
         chief = hosts[0]
         if limited and chief not in limited and (not tag_list or "ssh_mesh" in tag_list):
             limited.insert(0, chief)

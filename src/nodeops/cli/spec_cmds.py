@@ -38,12 +38,13 @@ def validate(
     Exit 0 when valid (warnings may still be printed), 2 when not. Nothing is run anywhere.
     """
     from nodeops.errors import SpecError
+    from nodeops.render import controller_issues
     from nodeops.spec import load_spec
 
     if as_json:
         try:
             loaded = load_spec(spec)
-            issues, ok = loaded.warnings, True
+            issues, ok = [*loaded.warnings, *controller_issues(loaded, os.environ, "warning")], True
         except SpecError as e:
             issues, ok = e.issues, False
         rows = [i.__dict__ for i in issues]
@@ -62,6 +63,9 @@ def validate(
     with errors():
         loaded = load_spec(spec)
         _print_warnings(loaded)
+        # valid, but this machine lacks something setup/launch will need: said now, with its line
+        for issue in controller_issues(loaded, os.environ, "warning"):
+            err(str(issue))
         s = loaded.spec
         world = sum(s.nproc(n) for n in s.nodes)
         typer.echo(
