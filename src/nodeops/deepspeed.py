@@ -30,39 +30,25 @@ def parse_hostfile(text: str, file: str = "<hostfile>") -> dict[str, int]:
 def parse_hostfile_lines(text: str, file: str = "<hostfile>") -> dict[str, tuple[int, int]]:
     """Like :func:`parse_hostfile`, with the line number of each host: host -> (slots, line)."""
     hosts: dict[str, tuple[int, int]] = {}
+    bad: list[SpecIssue] = []  # every bad line at once, not only the first
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()  # H2: also drops \r
         if not line or line.startswith("#"):  # H3
             continue
         m = _HOST_LINE.match(line)
         if m is None:  # H5
-            raise SpecError(
-                [
-                    SpecIssue(
-                        file,
-                        lineno,
-                        1,
-                        "hostfile",
-                        f"bad entry {line!r}",
-                        "write `HOST slots=N` with lowercase slots= and no spaces around '='",
-                    )
-                ]
-            )
+            bad.append(SpecIssue(file, lineno, 1, "hostfile", f"bad entry {line!r}",
+                                 "write `HOST slots=N` with lowercase slots= and no spaces around '='"))  # fmt: skip
+            continue
         host, slots = m.group(1), int(m.group(2))
         if host in hosts:  # H6
-            raise SpecError(
-                [
-                    SpecIssue(
-                        file,
-                        lineno,
-                        1,
-                        "hostfile",
-                        f"multiple entries for {host} (first on line {hosts[host][1]})",
-                        "list each host once",
-                    )
-                ]
-            )
+            first = hosts[host][1]
+            bad.append(SpecIssue(file, lineno, 1, "hostfile", f"multiple entries for {host} (first on line {first})",
+                                 "list each host once"))  # fmt: skip
+            continue
         hosts[host] = (slots, lineno)
+    if bad:
+        raise SpecError(bad)
     if not hosts:  # H7
         raise SpecError(
             [

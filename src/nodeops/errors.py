@@ -25,8 +25,8 @@ class SpecIssue:
     severity: Literal["error", "warning"] = "error"
 
     def __str__(self) -> str:
-        where = f"{self.file}:{self.line}:{self.col}"
-        text = f"{where}: {self.severity}: {self.field}: {self.message}"
+        where = f"{self.file}:{self.line}:{self.col}: " if self.line else ""  # line 0: a command-line option
+        text = f"{where}{self.severity}: {self.field}: {self.message}"
         return f"{text} (fix: {self.fix})" if self.fix else text
 
 

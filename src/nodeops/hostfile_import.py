@@ -54,7 +54,13 @@ def spec_from_hostfile(
     return out, warnings
 
 
+_OPTIONS = {"ssh.default.username": "--user", "ssh.default.key_file": "--key-file", "ssh.default.port": "--port"}
+
+
 def _to_hostfile_issue(issue: SpecIssue, kept: list[tuple[str, int, int]], file: str) -> SpecIssue:
+    option = next((o for f, o in _OPTIONS.items() if issue.field.startswith(f)), None)
+    if option is not None:  # a bad option value, not a line of the hostfile
+        return SpecIssue(option, 0, 0, option, issue.message, issue.fix, issue.severity)
     m = _NODE_FIELD.match(issue.field)
     line = kept[int(m.group(1))][2] if m else 1
     fix = issue.fix

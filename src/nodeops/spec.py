@@ -830,7 +830,7 @@ def validate_located(located: Located) -> LoadedSpec:
 
 
 def _syntax_issue(e: YamlSyntaxError) -> SpecError:
-    return SpecError([SpecIssue(e.file, e.pos.line, e.pos.col, "<yaml>", e.message, "fix the YAML syntax")])
+    return SpecError([SpecIssue(e.file, e.pos.line, e.pos.col, "<yaml>", e.message, e.fix)])
 
 
 def load_spec(path: str | Path) -> LoadedSpec:

@@ -50,11 +50,12 @@ class Located:
 
 
 class YamlSyntaxError(ValueError):
-    def __init__(self, file: str, pos: Pos, message: str) -> None:
+    def __init__(self, file: str, pos: Pos, message: str, fix: str = "fix the YAML syntax") -> None:
         super().__init__(f"{file}:{pos.line}:{pos.col}: {message}")
         self.file = file
         self.pos = pos
         self.message = message
+        self.fix = fix
 
 
 # libyaml's parser is ~10x faster than the pure-Python one on a 1,000-node spec; both keep marks.
@@ -114,8 +115,12 @@ def load_text(text: str, file: str = "<string>") -> Located:
 
 def load_file(path: str | Path) -> Located:
     p = Path(path)
+    data = p.read_bytes()
     try:
-        text = p.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise YamlSyntaxError(str(p), Pos(1, 1), f"not UTF-8 text ({e.reason})") from None
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise YamlSyntaxError(str(p), Pos(line, col), f"byte 0x{data[e.start]:02x} is not UTF-8 ({e.reason})",
+                              fix="save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None  # fmt: skip
     return load_text(text, str(p))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -347,3 +348,51 @@ def test_check_values_never_read_none() -> None:
     assert (
         shown(None) == "unknown" and shown(None, "none (CPU build)") == "none (CPU build)" and shown("12.1") == "12.1"
     )
+
+
+# --------------------------------------------------------------------------- issue 17, items 8 and 11
+def test_validate_names_a_missing_source_and_an_unset_from_env_with_their_lines(tmp_path: Path) -> None:
+    spec = tmp_path / "c.yaml"
+    spec.write_text("name: c\nnodes:\n  - {address: 10.9.0.1, chief: true}\n  - {address: 10.9.0.2}\n"
+                    "env:\n  TOKEN: {from_env: NODEOPS_TEST_UNSET_VAR, secret: true}\n"
+                    "workdir:\n  path: /srv/w\n  source: ./no_such_dir\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "NODEOPS_TEST_UNSET_VAR"}
+    r = runner.invoke(app, ["validate", str(spec)], env=env)
+    assert r.exit_code == 0, r.stderr  # valid; this machine is not ready for it
+    assert f"{spec}:9:3: warning: workdir.source: the source {tmp_path}/no_such_dir is not a directory" in r.stderr
+    assert re.search(
+        re.escape(str(spec)) + r":6:\d+: warning: env\.TOKEN\.from_env: NODEOPS_TEST_UNSET_VAR is not set "
+        r"in this shell \(fix: export NODEOPS_TEST_UNSET_VAR=\.\.\. before setup\)",
+        r.stderr,
+    ), r.stderr
+    s = runner.invoke(app, ["setup", str(spec)], env={**env, "NODEOPS_HOME": str(tmp_path / "home")})
+    assert s.exit_code == 2 and s.stderr.count(": error: ") == 2 and "nothing was run" in s.stderr, s.stderr
+    assert not (tmp_path / "home" / "runs").exists() or not any((tmp_path / "home" / "runs").iterdir())
+
+
+def test_a_non_utf8_spec_names_the_byte_and_the_fix(tmp_path: Path) -> None:
+    spec = tmp_path / "latin.yaml"
+    spec.write_bytes(b"name: x\nnodes:\n  - {address: 10.0.0.1, chief: true}\n# caf\xe9\n")
+    r = runner.invoke(app, ["validate", str(spec)])
+    assert r.exit_code == 2
+    assert f"{spec}:4:6: error: <yaml>: byte 0xe9 is not UTF-8" in r.stderr and "save the file as UTF-8" in r.stderr
+
+
+def test_import_hostfile_reports_every_bad_line_and_a_bad_option(tmp_path: Path) -> None:
+    hf = tmp_path / "hostfile"
+    hf.write_text("a slots=2\nbad line\nb slots=x\na slots=2\n")
+    r = runner.invoke(app, ["import-hostfile", str(hf)])
+    assert r.exit_code == 2
+    assert [ln.split(": error")[0] for ln in r.stderr.splitlines() if ": error" in ln] == [
+        f"{hf}:2:1", f"{hf}:3:1", f"{hf}:4:1"]  # fmt: skip
+    hf.write_text("a slots=2\n")
+    u = runner.invoke(app, ["import-hostfile", str(hf), "--user", "bad user"])
+    assert u.exit_code == 2 and u.stderr.startswith("error: --user: username 'bad user' is not a login name"), u.stderr
+
+
+@pytest.mark.parametrize("command", ["setup", "launch", "check", "clean", "runs", "validate", "import-hostfile"])
+def test_help_has_no_python_type_placeholders(command: str) -> None:
+    r = runner.invoke(app, [command, "--help"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0
+    for placeholder in ("<bool>", "<int>", "<str>", "<path>", "<list", "{spec}", "{hostfile}"):
+        assert placeholder not in r.stdout, (placeholder, r.stdout)

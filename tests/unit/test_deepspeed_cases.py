@@ -60,9 +60,16 @@ def test_hostfile_bad(name: str) -> None:
     line, message = BAD[name]
     with pytest.raises(SpecError) as info:
         deepspeed.parse_hostfile((HOSTFILES / name).read_text(), name)
-    (issue,) = info.value.issues
+    # DeepSpeed stops at its first error; nodeops reports every bad line, the first one first
+    issue, *rest = info.value.issues
     assert (issue.file, issue.line) == (name, line)
     assert message in issue.message
+    lines = [i.line for i in info.value.issues]
+    assert lines == sorted(set(lines)), lines
+    assert [i.line for i in rest] == EXTRA.get(name, [])
+
+
+EXTRA = {"bad-duplicate-before-bad-line": [3], "bad-mixed-good-and-bad": [4]}  # the later bad lines, also named
 
 
 def test_non_ascii_digits_refused() -> None:

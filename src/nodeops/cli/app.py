@@ -37,6 +37,16 @@ def _plain_metavar(self: typer.core.TyperOption | typer.core.TyperArgument, ctx:
 typer.core.TyperOption.display_type_rich = _plain_metavar  # type: ignore[method-assign]
 typer.core.TyperArgument.display_type_rich = _plain_metavar  # type: ignore[method-assign,assignment]
 
+
+def _usage_name(self: typer.core.TyperArgument) -> str:
+    """The usage line's argument as click and man pages write it (``SPEC``, ``[RUN_ID]``);
+    typer 0.29 writes ``{spec}``."""
+    name = self.display_name_raw.upper()
+    return (name if self.required else f"[{name}]") + ("..." if self.nargs != 1 else "")
+
+
+typer.core.TyperArgument._usage_display_name = _usage_name  # type: ignore[method-assign]
+
 EPILOG = "Exit codes: 0 ok; 1 a host or check failed; 2 bad spec, hostfile or usage (nothing was run); 130 interrupted."
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
