@@ -512,8 +512,9 @@ def root_cause(states: Sequence[HostState], named: str = "") -> HostState | None
     the others within the same second) ranks after one that failed by itself; a rank that
     exited with a real code beats one that died of a signal; then the supervisor's choice
     (``named``: it classified each report as it came); then the earliest. A host the supervisor
-    stopped is not a cause, unless a rank of it had failed by itself before the stop came."""
-    failed = [s for s in states if s.exit_code not in (0, None) and (not s.stopped or own_failure(s))]
+    stopped is not a cause, unless the supervisor named it (its rank had failed by itself before
+    the stop came, as the host's guard reported)."""
+    failed = [s for s in states if s.exit_code not in (0, None) and (not s.stopped or s.host == named)]
     if not failed:
         return None
 
@@ -527,6 +528,7 @@ def root_cause(states: Sequence[HostState], named: str = "") -> HostState | None
 # torchrun's own lines (its agent logs in glog form, its ChildFailedError traceback and summary),
 # as opposed to what the ranks printed.
 _AGENT_LINE = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")
+_RANK_LINE = re.compile(r"^\[rank\d+\]:")
 
 
 def failure_lines(tail: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -535,5 +537,7 @@ def failure_lines(tail: Sequence[str]) -> tuple[list[str], list[str]]:
     failure report from there on (its summary, shown with -v)."""
     lines = list(tail)
     at = next((i for i, line in enumerate(lines) if P.AGENT_FAILED.search(line)), len(lines))
-    own = [line for line in lines[:at] if not _AGENT_LINE.match(line)]
-    return own[-SHOWN_LINES:], lines[at:]
+    # torchrun echoes the ranks' files with a delay: their `[rankN]:` lines may come after its own
+    late = [line for line in lines[at:] if _RANK_LINE.match(line)]
+    own = [line for line in lines[:at] if not _AGENT_LINE.match(line)] + late
+    return own[-SHOWN_LINES:], [line for line in lines[at:] if not _RANK_LINE.match(line)]

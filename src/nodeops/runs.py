@@ -28,6 +28,7 @@ from nodeops.launch import protocol as P
 from nodeops.quoting import sh_word
 
 FINISHED = ("ok", "failed", "stopped", "gone")  # what clean may remove
+INFERRED_MIN_AGE = 600.0  # a run without a verdict (gone, or failed while starting) is this old before clean takes it
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
@@ -53,6 +54,7 @@ class Run:
     detail: str = ""  # the verdict in words, or why the state is not known
     exit_code: int | None = None
     size: int = 0  # bytes of its record on the controller
+    verdict: bool = False  # the state is the supervisor's verdict (else inferred from what is left)
 
     def row(self) -> dict[str, Any]:
         j = self.job
@@ -76,6 +78,7 @@ def exit_code_of(verdict: dict[str, Any]) -> int | None:
 
 
 def apply_verdict(run: Run, verdict: dict[str, Any]) -> None:
+    run.verdict = True
     run.state = str(verdict.get("outcome", "unknown"))
     run.detail = jobs.describe(verdict)
     run.exit_code = exit_code_of(verdict)
@@ -85,15 +88,35 @@ def _size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
 
 
+STARTING = "starting"  # in a run's record while `nodeops launch` starts it: the launch's pid
+
+
+def _pid_alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text().strip()), 0)
+    except PermissionError:
+        return True
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def local_runs() -> list[Run]:
-    """Every launch run recorded here, newest first (the run id starts with its time)."""
+    """Every launch run recorded here, newest first (the run id starts with its time). A dir
+    whose job.json is unreadable, or names another run, is not a run record and is left alone."""
     out = []
     for d in sorted((p for p in jobs.jobs_dir().iterdir() if jobs.RUN_ID.match(p.name)), reverse=True):
         try:
             job = jobs.find(d.name)
-        except (jobs.JobError, ValueError, TypeError):
-            continue  # a dir without a readable job.json: not a run record
+            if job.run_id != d.name or not job.kill_hosts or not job.chief:
+                continue
+        except Exception:  # any damaged record is skipped, never fatal to the listing
+            continue
         run = Run(job, size=_size(d))
+        if (d / STARTING).exists() and _pid_alive(d / STARTING):
+            run.state, run.detail = "starting", "nodeops launch is starting it"
+            out.append(run)
+            continue
         local = d / "result.json"
         if local.is_file():
             try:
@@ -106,18 +129,28 @@ def local_runs() -> list[Run]:
     return out
 
 
-# One ssh to the chief: the verdict if there is one, else whether its supervisor still runs.
-_PROBE = """d={d}
+# Shell helpers for the remote checks: `alive ID DIR` is true while a process of the run lives
+# on this host (NODEOPS_RUN_ID=ID in its environment, the tag every job process carries) or its
+# supervisor runs. Read from /proc directly: no file of the run dir is trusted to say so.
+_ALIVE = """alive() {
+  # -q: status 0 on a match even when some /proc entries could not be read
+  grep -qsxzF "NODEOPS_RUN_ID=$1" /proc/[0-9]*/environ 2>/dev/null && return 0
+  p=$(cat "$2/supervisor.pid" 2>/dev/null || true)
+  [ -n "$p" ] && [ ! -e "$2/result.json" ] && grep -qs supervisor.py "/proc/$p/cmdline"
+}
+"""
+
+# One ssh to the chief: the verdict if there is one, else whether the run still lives there.
+_PROBE = (
+    _ALIVE
+    + """id={id}; d={d}
 if [ -e "$d/result.json" ]; then echo verdict; cat "$d/result.json"
 elif [ ! -d "$d" ]; then echo gone
-else
-  p=$(cat "$d/supervisor.pid" 2>/dev/null || true)
-  if [ -n "$p" ] && grep -qs supervisor.py "/proc/$p/cmdline"; then echo running
-  elif [ -e "$d/agent.py" ] && python3 "$d/agent.py" status | grep -q '^running\\|alive'; then echo running
-  else echo ended
-  fi
+elif alive "$id" "$d"; then echo running
+else echo ended
 fi
 """
+)
 
 
 def refresh(runs: Sequence[Run]) -> None:
@@ -126,7 +159,9 @@ def refresh(runs: Sequence[Run]) -> None:
 
     def one(run: Run) -> None:
         j = run.job
-        script = _PROBE.format(d=sh_word(jobs.remote_dir(j.run_id)))
+        script = _PROBE.replace("@ID@", sh_word(jobs.check_run_id(j.run_id))).replace(
+            "@DIR@", sh_word(jobs.remote_dir(j.run_id))
+        )
         try:
             p = subprocess.run(jobs.ssh_argv(j.ssh_config, j.chief, "bash", "-c", sh_word(_home(script))),
                                capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
@@ -183,36 +218,37 @@ def choose(
     newest_first = sorted(runs, key=lambda r: r.job.started, reverse=True)
     kept = {r.job.run_id for r in newest_first[: keep or 0]} if keep is not None else set()
     return [r for r in newest_first if r.state in states and r.job.run_id not in kept
-            and (older_than is None or now - r.job.started >= older_than)]  # fmt: skip
+            and (older_than is None or now - r.job.started >= older_than)
+            and (r.verdict or now - r.job.started >= INFERRED_MIN_AGE)]  # fmt: skip
 
 
-def rmtree(d: Path) -> None:
-    shutil.rmtree(d, ignore_errors=True)
+def rmtree(d: Path) -> bool:
+    """Remove a dir of ours (a symlink itself, never what it points to); True once it is gone."""
+    if d.is_symlink():
+        d.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(d, ignore_errors=True)
+    return not d.exists() and not d.is_symlink()
 
 
 def forget(runs: Sequence[Run]) -> int:
     """Drop these runs' records here (their hosts are gone); returns the bytes freed."""
-    for r in runs:
-        rmtree(r.job.dir)
-    return sum(r.size for r in runs)
+    return sum(r.size for r in runs if rmtree(r.job.dir))
 
 
 # On each host: remove the given run dirs, unless a process of that run is alive there.
-_REMOVE = """cd "$HOME" || exit 1
+_REMOVE = (
+    _ALIVE
+    + """cd "$HOME" || exit 1
 for id in "$@"; do
-  d="{runs}/$id"
-  if [ ! -e "$d" ]; then echo "gone $id"; continue; fi
-  if [ -e "$d/agent.py" ]; then
-    s=$(python3 "$d/agent.py" status 2>&1 || true)
-    case "$s" in running*|*alive*) echo "busy $id $s"; continue;; esac
-  fi
-  p=$(cat "$d/supervisor.pid" 2>/dev/null || true)
-  if [ -n "$p" ] && [ ! -e "$d/result.json" ] && grep -qs supervisor.py "/proc/$p/cmdline"; then
-    echo "busy $id its supervisor runs"; continue
-  fi
-  if rm -rf -- "$d"; then echo "removed $id"; else echo "failed $id"; fi
+  d="@RUNS@/$id"
+  if [ ! -e "$d" ] && [ ! -L "$d" ]; then echo "gone $id"; continue; fi
+  if alive "$id" "$d"; then echo "busy $id a process of the run is alive here"; continue; fi
+  rm -rf -- "$d"
+  if [ -e "$d" ] || [ -L "$d" ]; then echo "failed $id could not remove it"; else echo "removed $id"; fi
 done
 """
+)
 
 
 @dataclass
@@ -240,7 +276,7 @@ def remove(runs: Sequence[Run], forget_unreachable: bool = False) -> Removal:
     def one(key: tuple[str, str]) -> None:
         host = key[0]
         cfg, ids = groups[key]
-        argv = jobs.ssh_argv(cfg, host, "bash", "-c", sh_word(_REMOVE.format(runs=P.RUNS_DIR)), "nodeops-clean",
+        argv = jobs.ssh_argv(cfg, host, "bash", "-c", sh_word(_REMOVE.replace("@RUNS@", P.RUNS_DIR)), "nodeops-clean",
                              *(sh_word(jobs.check_run_id(i)) for i in ids))  # fmt: skip
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
@@ -258,7 +294,9 @@ def remove(runs: Sequence[Run], forget_unreachable: bool = False) -> Removal:
         if bad and not (forget_unreachable and all(b.split(": ", 1)[1].startswith("unreachable") for b in bad)):
             out.problems[r.job.run_id] = bad
             continue
-        rmtree(r.job.dir)
+        if not rmtree(r.job.dir):
+            out.problems[r.job.run_id] = [f"here: could not remove {r.job.dir}"]
+            continue
         out.removed_local.append(r.job.run_id)
         out.freed += r.size
     return out
@@ -274,16 +312,6 @@ class Artifacts:
     started: float
     running: bool
     size: int
-
-
-def _pid_alive(pid_file: Path) -> bool:
-    try:
-        os.kill(int(pid_file.read_text().strip()), 0)
-    except PermissionError:
-        return True
-    except (OSError, ValueError):
-        return False
-    return True
 
 
 def artifact_dirs(base: Path) -> list[Artifacts]:

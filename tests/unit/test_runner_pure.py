@@ -95,8 +95,11 @@ def test_root_cause_ci_race_victim_first_culprit_stopped() -> None:
     bystander = HostState("node2", exit_code=-1, ended_at=2.0, stopped=True)
     bystander.tail.append("E1122 20:53:48.0 80 torch/distributed/elastic/agent/server/api.py:1] failed (exitcode: -15)"
                           " local_rank: 0 (pid: 9) of binary: python3")  # fmt: skip
-    assert root_cause([victim, culprit, bystander], named="node1") is culprit
-    assert root_cause([victim, bystander], named="node1") is victim  # a stopped host with no failure of its own
+    # the supervisor named node3 (its guard reported exit code 1 before the stop came)
+    assert root_cause([victim, culprit, bystander], named="node3") is culprit
+    # a stopped host the supervisor did not name is never the cause, whatever its lines say
+    assert root_cause([victim, culprit, bystander], named="node1") is victim
+    assert root_cause([victim, bystander], named="") is victim
 
 
 def test_failure_lines_puts_the_ranks_own_lines_first() -> None:
@@ -112,6 +115,8 @@ def test_failure_lines_puts_the_ranks_own_lines_first() -> None:
     assert own == ["step 1 loss 0.5", "rank 2: failing on purpose at step 3"]
     assert summary[0].endswith("of binary: python3") and summary[-1] == "  exitcode  : 1 (pid: 1100)"
     assert failure_lines(["a", "b"]) == (["a", "b"], [])  # no torchrun: every line is the job's
+    late = failure_lines([tail[3], "[rank2]:Traceback (most recent call last):", "  exitcode  : 1"])
+    assert late == (["[rank2]:Traceback (most recent call last):"], [tail[3], "  exitcode  : 1"])
     assert len(failure_lines([str(i) for i in range(100)])[0]) == 20
 
 

@@ -4,6 +4,7 @@ tests/integration/test_launch.py against the sandbox."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from nodeops import runs as R
 
 def run(run_id: str, state: str, started: float) -> R.Run:
     return R.Run(jobs.Job(run_id=run_id, dir=Path("/nonexistent"), hosts=["h1"], argv=["t.py"], runner="torchrun",
-                          started=started), state=state)  # fmt: skip
+                          started=started), state=state, verdict=state in ("ok", "failed", "stopped"))  # fmt: skip
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90s", 90), ("30m", 1800), ("12h", 43200), ("7d", 604800),
@@ -44,6 +45,9 @@ def test_choose_never_picks_a_running_or_unknown_run_and_honours_keep_and_age() 
     assert ids(R.choose(runs, older_than=3600, keep=None, now=now)) == ["r3", "r1", "r0"]
     assert ids(R.choose(runs, older_than=86400, keep=3, now=now)) == ["r1", "r0"]
     assert ids(R.choose(runs, older_than=None, keep=0, now=now, states=("unreachable",))) == ["r2"]
+    # no verdict (a launch still starting looks like this to the chief): never while young
+    young = [run("g1", "gone", now - 30), run("g0", "gone", now - R.INFERRED_MIN_AGE - 1)]
+    assert ids(R.choose(young, older_than=None, keep=None, now=now)) == ["g0"]
 
 
 @pytest.mark.parametrize(
@@ -93,3 +97,47 @@ def test_runs_on_a_fresh_controller_says_there_are_none(tmp_path: Path) -> None:
     j = subprocess.run([sys.executable, "-m", "nodeops", "runs", "--json"], capture_output=True, text=True,
                        check=False, env=env)  # fmt: skip
     assert j.returncode == 0 and j.stdout.strip() == "[]"
+
+
+def test_the_remote_remove_script_spares_a_live_run_and_removes_the_rest(tmp_path: Path) -> None:
+    """The script `clean` runs on each host, run here in a real bash: a run with a live tagged
+    process (even with no agent.py to ask) is kept; a finished one and a symlinked one go, and
+    what the symlink points to stays."""
+    from nodeops.launch import protocol as P
+
+    runs = tmp_path / P.RUNS_DIR
+    runs.mkdir(parents=True)
+    live, done, linked, absent = (f"20261122-0000{i}0-ab1{i}" for i in range(4))
+    for rid in (live, done):
+        (runs / rid).mkdir()
+        (runs / rid / "host.log").write_text("x\n")
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep\n")
+    (runs / linked).symlink_to(outside)
+    proc = subprocess.Popen(["sleep", "60"], env={**os.environ, "NODEOPS_RUN_ID": live})
+    try:
+        time.sleep(0.2)
+        p = subprocess.run(["bash", "-c", R._REMOVE.replace("@RUNS@", P.RUNS_DIR), "nodeops-clean", live, done, linked,
+                            absent], capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)},
+                           timeout=30, check=False)  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()
+    said = {ln.split()[1]: ln.split()[0] for ln in p.stdout.splitlines()}
+    assert said == {live: "busy", done: "removed", linked: "removed", absent: "gone"}, p.stdout + p.stderr
+    assert (runs / live).is_dir() and not (runs / done).exists() and not (runs / linked).is_symlink()
+    assert (outside / "keep.txt").read_text() == "keep\n"
+
+
+def test_damaged_records_are_skipped_not_fatal(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    jobs_dir = home / "jobs"
+    for rid, body in (("20261122-000001-aaaa", "[]"), ("20261122-000002-bbbb", '{"run_id": "20261122-000002-bbbb"}'),
+                      ("20261122-000003-cccc", json.dumps({"run_id": "20261122-000009-ffff", "hosts": ["h"],
+                                                           "argv": [], "runner": "torchrun"}))):  # fmt: skip
+        (jobs_dir / rid).mkdir(parents=True)
+        (jobs_dir / rid / "job.json").write_text(body)
+    r = subprocess.run([sys.executable, "-m", "nodeops", "runs", "--json"], capture_output=True, text=True,
+                       check=False, env={**os.environ, "NODEOPS_HOME": str(home)})  # fmt: skip
+    assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from collections.abc import Callable
 from typing import Annotated
 
@@ -188,13 +189,17 @@ def clean(
         typer.Option(metavar="N", min=0, help="Keep the newest N runs (running ones count), and N artifact dirs."),
     ] = None,
     all_: Annotated[bool, typer.Option("--all", help="Every finished run.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Say what would be removed; remove nothing (it still asks chiefs for states)."),
+    ] = False,
     forget_unreachable: Annotated[
         bool,
         typer.Option(
             "--forget-unreachable",
-            help="Also drop the records here of chosen runs whose hosts do not answer "
-            "(a cluster that is gone); their dirs on those hosts are not touched.",
+            help="Also drop the records here of chosen runs whose hosts do not answer (a cluster that "
+            "is gone): runs with a verdict, and runs without one started over a day ago. Their dirs on "
+            "those hosts are not touched.",
         ),
     ] = False,
 ) -> None:
@@ -215,11 +220,17 @@ def clean(
         found = R.local_runs()
         R.refresh(found)
         chosen = R.choose(found, older_than=age, keep=keep)
-        forget = R.choose(found, older_than=age, keep=keep, states=("unreachable",)) if forget_unreachable else []
+        forget = [r for r in R.choose(found, older_than=max(age or 0, 86400), keep=keep, states=("unreachable",))
+                  if forget_unreachable]  # fmt: skip
         arts = R.choose_artifacts(R.artifact_dirs(runs_dir()), older_than=age, keep=keep)
-        for r in found:
-            if r.state == "running":
-                err(f"keep   {r.job.run_id}  running: {r.detail}")
+        for r in found:  # what is kept whatever the criteria, and why
+            if r in chosen or r in forget or r.state == "unreachable":
+                continue
+            if r.state not in R.FINISHED:
+                err(f"keep   {r.job.run_id}  {r.state}: {r.detail or 'no verdict'}")
+            elif not r.verdict and time.time() - r.job.started < R.INFERRED_MIN_AGE:
+                err(f"keep   {r.job.run_id}  {r.state}: no verdict, and started under "
+                    f"{R.INFERRED_MIN_AGE / 60:.0f} min ago (a launch may still be starting it)")  # fmt: skip
         unreachable = [r for r in found if r.state == "unreachable" and r not in forget]
         if unreachable:
             err(f"keep   {len(unreachable)} run(s) whose chief did not answer (e.g. {unreachable[0].detail}); "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import json
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -128,7 +129,7 @@ def launch(
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
         s = loaded.spec
         if dry_run:
-            show_dry_run(loaded, user_argv, script)
+            show_dry_run(loaded, user_argv, script, sync)
             return
         if sync:
             sync_workdir(loaded)
@@ -148,6 +149,8 @@ def launch(
         job = jobs.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
                        spec=str(spec.resolve()), started=time.time(), rank_hosts=rank_hosts,
                        all_hosts=all_hosts, pdsh_hosts=pdsh_hosts)  # fmt: skip
+        # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
+        (local / "starting").write_text(f"{os.getpid()}\n")
         job.save()
         err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
         t0 = time.monotonic()
@@ -180,6 +183,7 @@ def launch(
             with jobs.ignoring_interrupts():
                 left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
             fail(f"launch failed on {', '.join(bad)}; {teardown_summary(left)}", EXIT_FAILURE)
+        (local / "starting").unlink(missing_ok=True)  # the supervisor runs: it has the run's verdict
         if detach:
             err(f"==> started in {time.monotonic() - t0:.1f}s; detached")
             err(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
@@ -259,7 +263,7 @@ def launch_plan(loaded: LoadedSpec, user_argv: list[str], run_id: str, script: s
     )  # fmt: skip
 
 
-def show_dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None) -> None:
+def show_dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: bool = False) -> None:
     """`launch --dry-run`: what each host would run, from the same plan and files a launch ships;
     nothing is started and no host is reached (so no preflight)."""
     from nodeops import jobs, starter
@@ -281,6 +285,9 @@ def show_dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None) -
                 for n, v in s.env.items()]  # fmt: skip
     nodes = {s.alias(n): n for n in s.nodes}
     err(f"==> dry run of {s.launch.runner} on {len(plan)} host(s); run id would be like {run_id}; nothing is started")
+    if sync:
+        err("==> --sync would first copy the workdir source to the nodes that differ")
+    err("==> a launch would first run the preflight (ssh, ports, versions, workdir, script; --no-check skips it)")
     for h in plan:
         node = nodes[h.host]
         typer.echo(f"{h.host} ({h.address}, node rank {h.node_rank}, {h.nproc} process(es))")

@@ -11,8 +11,9 @@
     The supervisor's link to this host (over ssh, or a local child on the chief). Reads
     heartbeats and commands on stdin (a line each; ``stop`` stops the run here), touches
     ``heartbeat``, and reports on stdout, one line each: ``watching``, ``exit CODE|killed``,
-    ``agent-failed CODE own|peer`` (torchrun's final failure line, with --agent-final: the
-    worker's exit code, and whether the lines before it say a peer went away first), ``pdsh-failed ADDRESS
+    ``agent-failed CODE own|peer [stopped]`` (torchrun's final failure line, with --agent-final:
+    the worker's exit code, whether the lines before it say a peer went away first, and whether
+    it was read after a stop came), ``pdsh-failed ADDRESS
     CODE`` (with --pdsh), ``stopped N`` (N processes of the run left after a stop). On stdin EOF
     or silence for HEARTBEAT_STALE (the chief or its supervisor died) it stops the run here.
     It exits once the job here has ended, or after a stop where there is no job.
@@ -225,7 +226,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
                 if m:
                     agent_failed_said = True
                     peer = any(P.PEER_LOST.search(r) for r in recent)
-                    say(f"agent-failed {m.group(1)} {'peer' if peer else 'own'}")
+                    # "stopped": this line was read after a stop came (its code may be the stop's doing)
+                    say(f"agent-failed {m.group(1)} {'peer' if peer else 'own'}" + (" stopped" if stopped else ""))
                 recent.append(line)
                 m = P.PDSH_EXIT.match(line) if pdsh else None
                 if m and m.group(2) != "0":

@@ -53,9 +53,23 @@ AGENT_FAILED = re.compile(r"failed \(exitcode: ([1-9]\d*|-\d+)\) local_rank: \d+
 # reported within ROOT_CAUSE_WINDOW of it.
 PEER_LOST = re.compile(
     r"Connection (?:closed|reset) by peer|remote worker crash|remote process exited|communicator was aborted"
-    r"|[Ww]atchdog caught collective operation timeout|DistNetworkError|Broken pipe|Failed to recv"
+    r"|[Ww]atchdog caught collective operation timeout|DistNetworkError|Failed to recv"
 )
 ROOT_CAUSE_WINDOW = 5.0  # seconds after the first failure in which a likelier root cause replaces it
+# How likely a failure report is the root cause, most likely first.
+CAUSE_OWN = 0  # a worker exited with a code of its own, its lines naming no lost peer
+CAUSE_LOST = 1  # a host lost, its agent dead, its job stopped outside the supervisor
+CAUSE_EXIT = 2  # a job's non-zero exit, a worker's signal death: no more known
+CAUSE_PEER = 3  # a worker whose lines say a peer went away first
+
+
+def replaces_first(first_rank: int, first_age: float, rank: int, after_stop: bool) -> bool:
+    """Whether a later failure report becomes the run's first failure instead: only a likelier
+    cause, within ROOT_CAUSE_WINDOW of the first, and never one that came after that host was
+    told to stop (a worker may exit 1 from its own SIGTERM handler)."""
+    return not after_stop and rank < first_rank and first_age < ROOT_CAUSE_WINDOW
+
+
 # pdsh (DeepSpeed's runner) reports a node whose command failed, and keeps waiting.
 PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
 

@@ -158,12 +158,11 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
     first_rank = 0
     first_at = 0.0
 
-    def fail(lk: Link, code: str, why: str, rank: int = 1) -> None:
+    def fail(lk: Link, code: str, why: str, rank: int = P.CAUSE_EXIT, after_stop: bool = False) -> None:
         """A failure report. The first one starts the teardown at once. Ranks fail together (a
         crashed rank's peers abort within a second), and the first report can come from a
-        victim (the chief's guard has no ssh hop): within ROOT_CAUSE_WINDOW, a report with a
-        lower cause rank (0: a worker failed by itself; 1: a job's exit, a worker's signal; 2: a
-        worker that lost a peer; 3: a lost host) becomes the first failure instead."""
+        victim (the chief's guard has no ssh hop): a likelier cause reported soon after becomes
+        the first failure instead (``P.replaces_first``)."""
         nonlocal first, outcome, first_rank, first_at
         entry = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why}
         if first is None and outcome == "ok":
@@ -172,8 +171,8 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
             log(f"first failure: {lk.name}: {why}")
             # a job host whose job is ending by itself is spared (it keeps its own exit code)
             stop_all(f"{lk.name}: {why}", spare=lk.name if lk.has_job and code != "lost" else "")
-        elif (first is not None and rank < first_rank and lk.name != first["host"]
-              and time.monotonic() - first_at < P.ROOT_CAUSE_WINDOW):  # fmt: skip
+        elif (first is not None and lk.name != first["host"]
+              and P.replaces_first(first_rank, time.monotonic() - first_at, rank, after_stop)):  # fmt: skip
             log(f"root cause: {lk.name}: {why} (before it: {first['host']}: {first['why']})")
             first, first_rank = entry, rank
 
@@ -189,27 +188,30 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
                 first["code"] = int(lk.ended)  # torchrun's failure line came first; this is its exit
             if lk.ended == "killed":
                 if not lk.sent_stop:  # stopped by someone else (an operator, its own dead man's switch)
-                    fail(lk, "lost", "stopped outside the supervisor: " + " ".join(words[2:]), 3)
+                    fail(lk, "lost", "stopped outside the supervisor: " + " ".join(words[2:]), P.CAUSE_LOST)
             elif lk.ended != "0":
                 died = lk.ended == "agent-died"
-                fail(lk, lk.ended, "its host agent died" if died else f"exited {lk.ended}", 3 if died else 1)
-        elif words[0] == "agent-failed":
-            worker = words[1] if len(words) == 3 and words[1].lstrip("-").isdigit() else ""
-            if worker.startswith("-") and lk.sent_stop:
+                fail(lk, lk.ended, "its host agent died" if died else f"exited {lk.ended}",
+                     P.CAUSE_LOST if died else P.CAUSE_EXIT)  # fmt: skip
+        elif words[0] == "agent-failed":  # agent-failed CODE own|peer [stopped]
+            worker = words[1] if len(words) >= 3 and words[1].lstrip("-").isdigit() else ""
+            after_stop = words[-1] == "stopped"
+            if worker.startswith("-") and (lk.sent_stop or after_stop):
                 return  # its workers died of this supervisor's own stop
-            peer = words[-1] == "peer"
-            rank = 2 if peer else 1 if worker.startswith("-") or not worker else 0
+            peer = len(words) >= 3 and words[2] == "peer"
+            rank = P.CAUSE_PEER if peer else P.CAUSE_EXIT if worker.startswith("-") or not worker else P.CAUSE_OWN
             detail = f" (exit code {worker}{', after losing a peer' if peer else ''})" if worker else ""
-            fail(lk, worker if rank == 0 else "agent-failed", "torchrun reported a failed worker" + detail, rank)
+            fail(lk, worker if rank == P.CAUSE_OWN else "agent-failed", "torchrun reported a failed worker" + detail,
+                 rank, after_stop)  # fmt: skip
         elif words[0] == "pdsh-failed" and len(words) == 3:
-            fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)", 1)
+            fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)", P.CAUSE_EXIT)
         elif words[0] == "stopped" and len(words) == 2:
             lk.left = int(words[1])
         elif words[0] == "lost-stopped":
             lk.left, lk.ended = int(words[1]), "lost"
             lk.lost = "its guard stopped the run there: " + " ".join(words[2:])
             if not lk.sent_stop:
-                fail(lk, "lost", lk.lost, 3)
+                fail(lk, "lost", lk.lost, P.CAUSE_LOST)
 
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
     while len(gone) < len(links):
@@ -230,7 +232,7 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
             gone.add(lk.name)
             if lk.ended is None and not (lk.sent_stop and lk.left is not None):
                 lk.ended = "lost"
-                fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}", 3)
+                fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}", P.CAUSE_LOST)
         else:
             log(f"{lk.name}: {line}")
             handle(lk, line)
