@@ -143,7 +143,7 @@ _ALIVE = """alive() {
 # One ssh to the chief: the verdict if there is one, else whether the run still lives there.
 _PROBE = (
     _ALIVE
-    + """id={id}; d={d}
+    + """id=@ID@; d=@DIR@
 if [ -e "$d/result.json" ]; then echo verdict; cat "$d/result.json"
 elif [ ! -d "$d" ]; then echo gone
 elif alive "$id" "$d"; then echo running

@@ -141,3 +141,28 @@ def test_damaged_records_are_skipped_not_fatal(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "nodeops", "runs", "--json"], capture_output=True, text=True,
                        check=False, env={**os.environ, "NODEOPS_HOME": str(home)})  # fmt: skip
     assert r.returncode == 0 and json.loads(r.stdout) == [], r.stderr
+
+
+def test_the_chief_probe_says_verdict_gone_running_or_ended(tmp_path: Path) -> None:
+    """The script `runs` sends to a chief, run here in a real bash with HOME at a temp dir."""
+    from nodeops.launch import protocol as P
+    from nodeops.quoting import sh_word
+
+    runs = tmp_path / P.RUNS_DIR
+    ids = {k: f"20261122-00000{i}-cd0{i}" for i, k in enumerate(("verdict", "gone", "running", "ended"))}
+    for k in ("verdict", "running", "ended"):
+        (runs / ids[k]).mkdir(parents=True)
+    (runs / ids["verdict"] / "result.json").write_text('{"outcome": "ok"}')
+    proc = subprocess.Popen(["sleep", "60"], env={**os.environ, "NODEOPS_RUN_ID": ids["running"]})
+    try:
+        time.sleep(0.2)
+        said = {}
+        for k, rid in ids.items():
+            script = R._PROBE.replace("@ID@", sh_word(rid)).replace("@DIR@", sh_word(f"{P.RUNS_DIR}/{rid}"))
+            p = subprocess.run(["bash", "-c", R._home(script)], capture_output=True, text=True, timeout=30,
+                               env={**os.environ, "HOME": str(tmp_path)}, check=False)  # fmt: skip
+            said[k] = p.stdout.splitlines()[0] if p.stdout else p.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+    assert said == {"verdict": "verdict", "gone": "gone", "running": "running", "ended": "ended"}
