@@ -6,6 +6,7 @@ or an editable install they are the top-level directories beside ``src/``.
 
 from __future__ import annotations
 
+import os
 from functools import cache
 from pathlib import Path
 
@@ -14,8 +15,28 @@ _PKG = Path(__file__).resolve().parent
 
 @cache
 def data_dir(name: str) -> Path:
-    """Absolute path of a shipped data directory: 'playbooks', 'roles' or 'templates'."""
+    """Absolute path of a shipped data directory: 'playbooks', 'roles', 'plugins' or 'templates'."""
     for candidate in (_PKG / name, _PKG.parent.parent / name):
         if candidate.is_dir():
             return candidate
     raise FileNotFoundError(f"nodeops data directory {name!r} not found beside {_PKG}; reinstall nodeops")
+
+
+def collection_root() -> Path:
+    """The nodeops.cluster collection: galaxy.yml, meta/, plugins/, roles/, playbooks/."""
+    return data_dir("roles").parent
+
+
+def collections_path(base: Path) -> Path:
+    """``base`` as an Ansible collections path that holds nodeops.cluster (a symlink to the
+    shipped collection, replaced atomically when it points elsewhere): the CLI's runs, molecule
+    and the tests resolve ``nodeops.cluster.*`` through it, from the one source tree."""
+    link = base / "ansible_collections" / "nodeops" / "cluster"
+    target = str(collection_root())
+    if not (link.is_symlink() and os.readlink(link) == target):
+        link.parent.mkdir(parents=True, exist_ok=True)
+        tmp = link.with_name(f".cluster-{os.getpid()}")
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(target)
+        os.replace(tmp, link)
+    return base

@@ -26,7 +26,7 @@ from typing import Any
 
 from nodeops.errors import NodeopsError
 from nodeops.quoting import ansible_yaml
-from nodeops.resources import data_dir
+from nodeops.resources import collections_path, data_dir
 
 # Ansible needs roughly this many file descriptors per fork (pipes, ssh control sockets);
 # with the usual soft limit of 1024, more than ~74 forks fail with "Too many open files".
@@ -274,6 +274,10 @@ def run_playbook(
         raise RunnerError("ansible-playbook not found; reinstall nodeops (it depends on ansible-core)")
     env["ANSIBLE_CONFIG"] = str(pdd / "ansible.cfg")
     env["ANSIBLE_NOCOLOR"] = "1"
+    # The roles call the collection's modules by FQCN (nodeops.cluster.*): this tree is that
+    # collection, ahead of any other copy installed in ~/.ansible (ansible.posix and the rest of
+    # the `ansible` package still come from site-packages).
+    env["ANSIBLE_COLLECTIONS_PATH"] = str(collections_path(runs_dir().parent / "collections"))
     t0 = time.monotonic()
     try:
         r = ansible_runner.interface.init_runner(

@@ -1,6 +1,6 @@
 """The workdir manifest on the controller side (setup's shared_path role, check, launch).
 
-The code is the shared_path role's ``module_utils/nodeops_manifest.py``, loaded from the
+The code is the collection's ``plugins/module_utils/nodeops_manifest.py``, loaded from the
 shipped roles, so the role, ``check`` and ``launch`` compare a node with the source in
 exactly one way: the files rsync would copy (same excludes), by content. Files that exist
 only on a node (what a job wrote) never count as a difference.
@@ -23,7 +23,7 @@ ALWAYS_EXCLUDED = [".deepspeed_env"]
 
 
 def manifest_path() -> Path:
-    return data_dir("roles") / "shared_path" / "module_utils" / "nodeops_manifest.py"
+    return data_dir("plugins") / "module_utils" / "nodeops_manifest.py"
 
 
 @cache

@@ -7,6 +7,7 @@ line does not process that directory's own .pth files, so the editable checkout 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -73,4 +74,26 @@ def test_roles_build_as_a_collection(tmp_path: Path) -> None:
     for role in ("ssh_mesh", "python_env", "shared_path", "nccl_env", "deepspeed_env"):
         assert f"roles/{role}/tasks/main.yml" in names
         assert f"roles/{role}/meta/argument_specs.yml" in names
-    assert not [n for n in names if n.startswith(("src/", "tests/", ".venv/", ".cache/"))]
+    assert not [n for n in names if n.startswith(("src/", "tests/", ".venv/", ".cache/", ".config/", "molecule/",
+                                                    "templates/sandbox", "pyproject.toml"))]  # fmt: skip
+    assert not [n for n in names if "/molecule/" in n or "__pycache__" in n]
+    modules = sorted(Path(n).stem for n in names if n.startswith("plugins/modules/") and n.endswith(".py"))
+    assert modules == ["deepspeed_env_file", "nccl_env_files", "python_env_state", "shared_path_state",
+                       "ssh_mesh_blocks", "ssh_mesh_check", "ssh_mesh_key"]  # fmt: skip
+    # Installed where an infra repo installs it: every module documents itself, and a playbook
+    # that uses a role by its FQCN resolves the role's modules (the bug: short names from library/)
+    coll = tmp_path / "collections"
+    run(galaxy, "collection", "install", "--offline", "--no-deps", "-p", coll, tarball, cwd=tmp_path)
+    env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(coll)}
+    bindir = Path(sys.executable).parent
+    for m in modules:
+        doc = subprocess.run([bindir / "ansible-doc", f"nodeops.cluster.{m}"], capture_output=True, text=True,
+                             env=env, check=False)  # fmt: skip
+        assert doc.returncode == 0 and "EXAMPLES:" in doc.stdout and "RETURN VALUES:" in doc.stdout, (m, doc.stderr)
+    play = tmp_path / "site.yml"
+    play.write_text("- hosts: all\n  gather_facts: false\n  roles:\n"
+                    + "".join(f"    - nodeops.cluster.{r}\n" for r in ("ssh_mesh", "python_env", "shared_path",
+                                                                       "nccl_env", "deepspeed_env")))  # fmt: skip
+    syn = subprocess.run([bindir / "ansible-playbook", "-i", "h1,", "--syntax-check", play], capture_output=True,
+                         text=True, env=env, cwd=tmp_path, check=False)  # fmt: skip
+    assert syn.returncode == 0, syn.stdout + syn.stderr

@@ -121,7 +121,7 @@ def render_probe(host: str, address: str, ifname: str) -> str:
     tasks = yaml.safe_load((ROOT / "roles/nccl_env/tasks/configure.yml").read_text())
     cmd = next(t["ansible.builtin.shell"]["cmd"] for t in tasks if "ansible.builtin.shell" in t)
     j = jinja2.Environment(undefined=jinja2.StrictUndefined)
-    j.filters.update({"nodeops_sh_word": quoting.sh_word})
+    j.filters.update({"nodeops.cluster.nodeops_sh_word": quoting.sh_word})
     j.tests["match"] = lambda value, pattern: __import__("re").match(pattern, value) is not None
     return j.from_string(cmd).render(inventory_hostname=host, nccl_env_address=address, nccl_env_socket_ifname=ifname)
 
@@ -155,7 +155,8 @@ def render_env_sh(env_vars: dict[str, str], shared: dict[str, str], nccl: dict[s
     """The nccl_env role's env.sh.j2, rendered with the role's own filters (nodeops.quoting)."""
     tpl = (ROOT / "roles/nccl_env/templates/env.sh.j2").read_text()
     j = jinja2.Environment(undefined=jinja2.StrictUndefined, trim_blocks=True, keep_trailing_newline=True)
-    j.filters.update({"nodeops_sh_word": quoting.sh_word, "nodeops_sh_expand": quoting.sh_expand})
+    j.filters.update({"nodeops.cluster.nodeops_sh_word": quoting.sh_word,
+                      "nodeops.cluster.nodeops_sh_expand": quoting.sh_expand})  # fmt: skip
     return j.from_string(tpl).render(
         nccl_env_cluster="c", inventory_hostname="h", _nccl_env_ifname="eth0", nccl_env_raise_nofile=False,
         nccl_env_ib="off", nccl_env_nccl_vars=nccl, nccl_env_vars=env_vars, nccl_env_shared_envs=shared,

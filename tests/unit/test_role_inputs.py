@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops.resources import data_dir
+from nodeops.resources import collections_path, data_dir
 
 pytestmark = pytest.mark.slow
 ROLES = data_dir("roles")
@@ -40,6 +40,7 @@ def test_only_the_failing_rule_is_printed(case: str, tmp_path: Path) -> None:
     (tmp_path / "play.yml").write_text(json.dumps(play))
     (tmp_path / "vars.json").write_text(json.dumps(extra))
     env = {**os.environ, "ANSIBLE_ROLES_PATH": str(ROLES), "ANSIBLE_STDOUT_CALLBACK": "json",
+           "ANSIBLE_COLLECTIONS_PATH": str(collections_path(tmp_path / "collections")),
            "ANSIBLE_LOCALHOST_WARNING": "false", "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false"}  # fmt: skip
     bindir = Path(sys.executable).parent
     p = subprocess.run([str(bindir / "ansible-playbook"), "-i", "localhost,", str(tmp_path / "play.yml"),

@@ -3,6 +3,7 @@ per-host marked blocks of ssh_mesh, --limit resolution and --diff rendering."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import shutil
@@ -14,6 +15,7 @@ import typer
 
 from nodeops import runner, workdir
 from nodeops.cli.setup_cmds import resolve_limit
+from nodeops.resources import collections_path
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,7 +28,20 @@ def load(path: Path) -> ModuleType:
     return mod
 
 
-blocks = load(ROOT / "roles/ssh_mesh/library/ssh_mesh_blocks.py")
+def collection_module(name: str) -> ModuleType:
+    """A module of the nodeops.cluster collection, imported as Ansible imports it (its
+    module_utils come from the collection)."""
+    import sys
+    import tempfile
+
+    base = Path(tempfile.gettempdir()) / f"nodeops-test-collections-{os.getuid()}"
+    path = str(collections_path(base))
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module(f"ansible_collections.nodeops.cluster.plugins.modules.{name}")
+
+
+blocks = collection_module("ssh_mesh_blocks")
 manifest = workdir.manifest_module()
 needs_rsync = pytest.mark.skipif(shutil.which("rsync") is None, reason="rsync is a setup dependency")
 

@@ -1,0 +1,175 @@
+#!/usr/bin/python
+"""Ansible module: manage our keys in a .deepspeed_env file, keeping every other line as it is.
+
+DeepSpeed's launcher crashes on comments and blank lines in .deepspeed_env, so our lines
+cannot carry a marker. Instead the keys we own are recorded in a sidecar file; a later run
+replaces exactly those keys (and drops ones no longer wanted), and leaves other lines alone.
+"""
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: deepspeed_env_file
+short_description: Manage nodeops' variables in a DeepSpeed .deepspeed_env file
+description:
+  - Writes one C(KEY=VALUE) line for each variable of O(vars) into the DeepSpeed C(.deepspeed_env) file O(path),
+    after all other lines and in the order O(vars) gives them.
+  - Lines of keys this module does not own (and lines without C(=)) are kept as they are and in their order; only a
+    missing final newline is added, so that the next line starts on a line of its own.
+  - DeepSpeed's launcher cannot parse comments or blank lines in C(.deepspeed_env), so the file cannot carry a
+    marker. Instead the keys this module owns are listed, one per line, in the sidecar file O(state_file).
+  - A run drops the lines of every key listed in O(state_file) and of every key of O(vars), then appends the lines
+    of O(vars). A variable removed from O(vars) is therefore removed from O(path) on the next run.
+  - The module is idempotent. O(path) and O(state_file) are written only when their content changes, each through a
+    temporary file in the same directory and a rename. Missing parent directories are created.
+version_added: "0.1.0"
+author:
+  - nodeops contributors
+options:
+  path:
+    description:
+      - The C(.deepspeed_env) file, for example C(~/.deepspeed_env) or one in the launcher's working directory.
+      - Created when missing.
+    type: path
+    required: true
+  vars:
+    description:
+      - The variables to write, name to value. Names and values are written as strings.
+      - A value must be a single line without leading or trailing whitespace (DeepSpeed strips it and reads one line
+        per variable); any other value makes the module fail before anything is written.
+      - DeepSpeed puts these values on the pdsh command line, so they must not be secrets.
+      - An empty dict removes every line this module wrote before.
+    type: dict
+    required: true
+  state_file:
+    description:
+      - Sidecar file that lists the keys this module owns in O(path), one per line.
+      - Use one state file per O(path). It is created when missing and rewritten whenever the owned keys change.
+    type: path
+    required: true
+  mode:
+    description:
+      - Octal mode given to O(path) when the module writes it and it was missing or empty before.
+      - Not applied when an existing non-empty file is rewritten.
+    type: str
+    default: "0644"
+notes:
+  - Supports check mode and diff mode. In check mode nothing is written, and the diff shows what would be written.
+  - Only the first C(=) of a line separates its key from its value, and the key is compared with surrounding
+    whitespace stripped.
+  - O(state_file), and an existing O(path) that is rewritten, get the mode that new files get from the umask.
+"""
+
+EXAMPLES = r"""
+- name: Write our variables into ~/.deepspeed_env, keeping every other line
+  nodeops.cluster.deepspeed_env_file:
+    path: ~/.deepspeed_env
+    state_file: ~/.nodeops/cluster/deepspeed_env.home.keys
+    vars:
+      NCCL_SOCKET_IFNAME: eth0
+      NCCL_IB_DISABLE: "1"
+
+- name: Write our variables into each .deepspeed_env, keeping other lines
+  nodeops.cluster.deepspeed_env_file:
+    path: "{{ item }}/.deepspeed_env"
+    state_file: >-
+      ~/.nodeops/{{ deepspeed_env_cluster }}/deepspeed_env.{{ item | regex_replace('^~', 'home')
+      | regex_replace('[^A-Za-z0-9]+', '_') }}.keys
+    vars: "{{ deepspeed_env_vars }}"
+  loop: "{{ deepspeed_env_dirs }}"
+
+- name: Remove every variable we wrote before, keeping the other lines
+  nodeops.cluster.deepspeed_env_file:
+    path: ~/.deepspeed_env
+    state_file: ~/.nodeops/cluster/deepspeed_env.home.keys
+    vars: {}
+"""
+
+RETURN = r"""
+diff:
+  description:
+    - The content of O(path) before and after the run, shown with C(--diff). Also computed in check mode.
+  returned: always
+  type: dict
+  contains:
+    before:
+      description: The content of O(path) before the run (empty when it was missing).
+      returned: always
+      type: str
+      sample: "MY_VAR=1\nNCCL_SOCKET_IFNAME=eth1\n"
+    after:
+      description: The content of O(path) after the run.
+      returned: always
+      type: str
+      sample: "MY_VAR=1\nNCCL_SOCKET_IFNAME=eth0\nNCCL_IB_DISABLE=1\n"
+    before_header:
+      description: O(path), with C(~) expanded.
+      returned: always
+      type: str
+      sample: /home/ubuntu/.deepspeed_env
+    after_header:
+      description: O(path), with C(~) expanded.
+      returned: always
+      type: str
+      sample: /home/ubuntu/.deepspeed_env
+"""
+
+import os
+
+from ansible.module_utils.basic import AnsibleModule
+
+
+def merge(existing, ours, owned_before):
+    """Return the new file text: foreign lines kept verbatim, then ours in the given order."""
+    drop = set(ours) | set(owned_before)
+    kept = []
+    for line in existing.splitlines(keepends=True):
+        key = line.split("=", 1)[0].strip() if "=" in line else None
+        if key is not None and key in drop:
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+    return "".join(kept) + "".join(f"{k}={v}\n" for k, v in ours.items())
+
+
+def read(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
+def main():
+    module = AnsibleModule(
+        argument_spec={
+            "path": {"type": "path", "required": True},
+            "vars": {"type": "dict", "required": True},
+            "state_file": {"type": "path", "required": True},
+            "mode": {"type": "str", "default": "0644"},
+        },
+        supports_check_mode=True,
+    )
+    path, state_file = module.params["path"], module.params["state_file"]
+    ours = {str(k): str(v) for k, v in module.params["vars"].items()}
+    for k, v in ours.items():
+        if "\n" in v or "\r" in v or v != v.strip():
+            module.fail_json(msg=f"{k}: DeepSpeed strips whitespace and reads one line per variable; fix the value")
+    before = read(path)
+    owned_before = [line.strip() for line in read(state_file).splitlines() if line.strip()]
+    after = merge(before, ours, owned_before)
+    owned_after = "".join(f"{k}\n" for k in ours)
+    changed = after != before or owned_after != read(state_file)
+    if changed and not module.check_mode:
+        for target, text in ((path, after), (state_file, owned_after)):
+            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+            tmp = target + ".nodeops-tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.replace(tmp, target)
+        if not before:
+            os.chmod(path, int(module.params["mode"], 8))
+    module.exit_json(changed=changed, diff={"before": before, "after": after, "before_header": path, "after_header": path})
+
+
+if __name__ == "__main__":
+    main()
