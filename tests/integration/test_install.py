@@ -83,7 +83,8 @@ def test_roles_build_as_a_collection(tmp_path: Path) -> None:
     # Installed where an infra repo installs it: every module documents itself, and a playbook
     # that uses a role by its FQCN resolves the role's modules (the bug: short names from library/)
     coll = tmp_path / "collections"
-    run(galaxy, "collection", "install", "--offline", "--no-deps", "-p", coll, tarball, cwd=tmp_path)
+    # --force: ansible-lint may have installed a copy in ~/.ansible, which galaxy would call "already installed"
+    run(galaxy, "collection", "install", "--force", "--offline", "--no-deps", "-p", coll, tarball, cwd=tmp_path)
     env = {**os.environ, "ANSIBLE_COLLECTIONS_PATH": str(coll)}
     bindir = Path(sys.executable).parent
     for m in modules:
