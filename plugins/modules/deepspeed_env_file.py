@@ -49,15 +49,16 @@ options:
     required: true
   mode:
     description:
-      - Octal mode given to O(path) when the module writes it and it was missing or empty before.
-      - Not applied when an existing non-empty file is rewritten.
+      - Octal mode given to O(path) and O(state_file) when the module creates them.
+      - An existing file keeps its own mode when it is rewritten.
     type: str
     default: "0644"
 notes:
   - Supports check mode and diff mode. In check mode nothing is written, and the diff shows what would be written.
   - Only the first C(=) of a line separates its key from its value, and the key is compared with surrounding
     whitespace stripped.
-  - O(state_file), and an existing O(path) that is rewritten, get the mode that new files get from the umask.
+  - Both files are written through a temporary file in the same directory and a rename; an existing file keeps
+    its mode.
 """
 
 EXAMPLES = r"""
@@ -115,8 +116,10 @@ diff:
 """
 
 import os
+import stat
 
 from ansible.module_utils.basic import AnsibleModule
+from ansible_collections.nodeops.cluster.plugins.module_utils.nodeops_files import atomic_write
 
 
 def merge(existing, ours, owned_before):
@@ -162,12 +165,9 @@ def main():
     if changed and not module.check_mode:
         for target, text in ((path, after), (state_file, owned_after)):
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            tmp = target + ".nodeops-tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-            os.replace(tmp, target)
-        if not before:
-            os.chmod(path, int(module.params["mode"], 8))
+            # an existing file keeps its mode (the user's, or an earlier run's); a new one gets `mode`
+            mode = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else int(module.params["mode"], 8)
+            atomic_write(target, text.encode("utf-8"), mode)
     module.exit_json(changed=changed, diff={"before": before, "after": after, "before_header": path, "after_header": path})
 
 
