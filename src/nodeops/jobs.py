@@ -19,7 +19,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,6 +29,7 @@ from nodeops.launch import protocol as P
 from nodeops.quoting import sh_word
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
 TAIL_LINES = 200  # torchrun's failure summary and shutdown alone is ~40 lines; keep the rank's last words too
 SHOWN_LINES = 20  # of them, the failing rank's own last lines shown under FAILED
@@ -101,9 +102,10 @@ class JobResult:
         self.teardown_problems = {h: why for h, why in self.teardown_problems.items() if why}
 
 
-def fan_out(hosts: Sequence[str], fn: Callable[[str], T]) -> dict[str, T]:
-    """fn(host) on every host at once (one thread each, as pdsh does); host -> result, in order."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(hosts))) as pool:
+def fan_out(hosts: Sequence[K], fn: Callable[[K], T], width: int | None = None) -> dict[K, T]:
+    """fn(host) on every host at once (one thread each, as pdsh does, or at most ``width``);
+    host -> result, in order. Any hashable key works (a run id, a (host, config) pair)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(hosts), width or len(hosts)))) as pool:
         return dict(zip(hosts, pool.map(fn, hosts), strict=True))
 
 

@@ -188,15 +188,8 @@ def refresh(runs: Sequence[Run]) -> None:
         else:
             run.state, run.detail = "failed", "ended without a verdict (it failed while starting)"
 
-    parallel(todo, one)
-
-
-def parallel(items: Sequence[Any], fn: Any) -> None:
-    """fn(item) for every item at once (one thread each, at most 64)."""
-    import concurrent.futures
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(64, len(items)))) as pool:
-        list(pool.map(fn, items))
+    by_id = {r.job.run_id: r for r in todo}
+    jobs.fan_out(list(by_id), lambda rid: one(by_id[rid]), width=64)
 
 
 def _home(script: str) -> str:
@@ -276,7 +269,8 @@ def remove(runs: Sequence[Run], forget_unreachable: bool = False) -> Removal:
     def one(key: tuple[str, str]) -> None:
         host = key[0]
         cfg, ids = groups[key]
-        argv = jobs.ssh_argv(cfg, host, "bash", "-c", sh_word(_REMOVE.replace("@RUNS@", P.RUNS_DIR)), "nodeops-clean",
+        script = _home(_REMOVE.replace("@RUNS@", P.RUNS_DIR))
+        argv = jobs.ssh_argv(cfg, host, "bash", "-c", sh_word(script), "nodeops-clean",
                              *(sh_word(jobs.check_run_id(i)) for i in ids))  # fmt: skip
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
@@ -287,7 +281,7 @@ def remove(runs: Sequence[Run], forget_unreachable: bool = False) -> Removal:
         for i in ids:
             replies.setdefault(i, {})[host] = said.get(i, why or "no answer")
 
-    parallel(list(groups), one)
+    jobs.fan_out(list(groups), one, width=64)
     for r in runs:
         bad = [f"{h}: {reply}" for h, reply in replies.get(r.job.run_id, {}).items()
                if not reply.startswith(("removed ", "gone "))]  # fmt: skip

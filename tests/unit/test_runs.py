@@ -118,9 +118,9 @@ def test_the_remote_remove_script_spares_a_live_run_and_removes_the_rest(tmp_pat
     proc = subprocess.Popen(["sleep", "60"], env={**os.environ, "NODEOPS_RUN_ID": live})
     try:
         time.sleep(0.2)
-        p = subprocess.run(["bash", "-c", R._REMOVE.replace("@RUNS@", P.RUNS_DIR), "nodeops-clean", live, done, linked,
-                            absent], capture_output=True, text=True, env={**os.environ, "HOME": str(tmp_path)},
-                           timeout=30, check=False)  # fmt: skip
+        script = R._home(R._REMOVE.replace("@RUNS@", P.RUNS_DIR))
+        p = subprocess.run(["bash", "-c", script, "nodeops-clean", live, done, linked, absent], capture_output=True,
+                           text=True, env={**os.environ, "HOME": str(tmp_path)}, timeout=30, check=False)  # fmt: skip
     finally:
         proc.kill()
         proc.wait()

@@ -132,8 +132,6 @@ def stop(run_id: RunArg = None) -> None:
 
 
 def _when(ts: float) -> str:
-    import time
-
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "?"
 
 
