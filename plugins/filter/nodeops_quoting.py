@@ -1,18 +1,49 @@
-"""Filters for the nccl_env role: nodeops' own quoting functions (nodeops.quoting), so env.sh is
-quoted by exactly the code that quotes launch's job scripts.
+"""Bash quoting filters: the collection's one quoting function per bash target
+(``plugins/module_utils/nodeops_shell.py``, the same code the nodeops CLI quotes with).
 
 - ``nodeops_sh_word``: one bash word, nothing expands.
+- ``nodeops_sh_path``: a path, a leading ``~/`` as the remote ``$HOME``.
 - ``nodeops_sh_expand``: an AutoDist shared_envs value: ``$NAME``/``${NAME}`` expand, the rest is literal.
+- ``nodeops_sh_run_word``: ``nodeops_sh_word``, with ``@@HOME@@`` as the remote ``"$HOME"`` (launch's run files).
 """
 
 from __future__ import annotations
 
-try:
-    from nodeops.quoting import sh_expand, sh_word
-except ImportError as e:  # the role used without the nodeops package on the controller
-    raise ImportError("the nccl_env role's filters come from the nodeops Python package: pip install nodeops") from e
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+DOCUMENTATION = r"""
+name: nodeops_sh_word
+short_description: Quote a value as one bash word (the nodeops quoting functions)
+description:
+  - C(nodeops_sh_word) quotes a value as one bash word that is exactly the value.
+  - C(nodeops_sh_path) does the same, with a leading C(~/) meaning the remote C($HOME).
+  - C(nodeops_sh_expand) quotes an AutoDist shared_envs value; only C($NAME) and C(${NAME}) expand.
+  - C(nodeops_sh_run_word) is C(nodeops_sh_word) with C(@@HOME@@) as the remote C("$HOME").
+options:
+  _input:
+    description: The value.
+    type: raw
+    required: true
+"""
+
+
+def load_module_util(name: str) -> Any:
+    """A stdlib-only file of this collection's plugins/module_utils, by path (it works from a
+    collections path and from the nodeops package's copy alike)."""
+    path = Path(__file__).resolve().parent.parent / "module_utils" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_nodeops_{name}", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+_shell = load_module_util("nodeops_shell")
 
 
 class FilterModule:
     def filters(self) -> dict[str, object]:
-        return {"nodeops_sh_word": sh_word, "nodeops_sh_expand": sh_expand}
+        return {"nodeops_sh_word": _shell.sh_word, "nodeops_sh_path": _shell.sh_path,
+                "nodeops_sh_expand": _shell.sh_expand, "nodeops_sh_run_word": _shell.sh_run_word}  # fmt: skip

@@ -14,17 +14,20 @@ Each either quotes or raises :class:`QuotingError` for what the target cannot ca
 bash word, a line break in ssh_config). ``validate`` refuses such values earlier, with a line
 number; these checks are the last line of defence, not the user-facing error.
 
-Besides the stdlib it needs only PyYAML and nodeops.errors: the roles' filter plugin imports it too.
+The bash functions live in the collection (``plugins/module_utils/nodeops_shell.py``), stdlib only,
+so the roles' filters need no nodeops package on the controller.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-import shlex
+from collections.abc import Callable
 from typing import Any
 
 import yaml
 
+from nodeops import _shell
 from nodeops.errors import NodeopsError
 
 __all__ = [
@@ -33,6 +36,7 @@ __all__ = [
     "expand_refs",
     "sh_expand",
     "sh_path",
+    "sh_run_word",
     "sh_word",
     "ssh_config_value",
 ]
@@ -45,53 +49,25 @@ class QuotingError(NodeopsError, ValueError):
     exit_code = 2
 
 
-def _no_nul(value: str, what: str) -> str:
-    if "\0" in value:
-        raise QuotingError(f"{what}: a NUL byte cannot be carried")
-    return value
-
-
 # --------------------------------------------------------------------------- bash
-def sh_word(value: object) -> str:
-    """One bash word that is exactly ``value``: nothing in it expands or splits."""
-    return shlex.quote(_no_nul(str(value), "shell word"))
+# The bash functions are the collection's plugins/module_utils/nodeops_shell.py (nodeops/_shell.py
+# links to it), so the roles' filters and the launch role's templates quote with the same code.
+def _bash(fn: Callable[[object], str]) -> Callable[[object], str]:
+    @functools.wraps(fn)
+    def wrapped(value: object) -> str:
+        try:
+            return fn(value)
+        except _shell.ShellQuotingError as e:
+            raise QuotingError(str(e)) from None
+
+    return wrapped
 
 
-def sh_path(path: str) -> str:
-    """A path as one bash word, with a leading ``~`` or ``~/`` meaning the remote ``$HOME``."""
-    if path == "~":
-        return '"$HOME"'
-    if path.startswith("~/"):
-        return '"$HOME"/' + sh_word(path[2:]) if path[2:] else '"$HOME"/'
-    return sh_word(path)
-
-
-# $NAME or ${NAME}: the only expansion an AutoDist shared_envs value gets.
-_REF = re.compile(r"\$(?:\{([A-Za-z_][A-Za-z0-9_]*)\}|([A-Za-z_][A-Za-z0-9_]*))")
-
-
-def expand_refs(value: str) -> list[tuple[str, str]]:
-    """Split a shared_envs value into ("lit", text) and ("ref", NAME) parts."""
-    parts: list[tuple[str, str]] = []
-    pos = 0
-    for m in _REF.finditer(value):
-        if m.start() > pos:
-            parts.append(("lit", value[pos : m.start()]))
-        parts.append(("ref", m.group(1) or m.group(2)))
-        pos = m.end()
-    if pos < len(value):
-        parts.append(("lit", value[pos:]))
-    return parts
-
-
-def sh_expand(value: object) -> str:
-    """An AutoDist ``shared_envs`` value as one bash word: ``$NAME`` and ``${NAME}`` expand on
-    the node (``LD_LIBRARY_PATH: $LD_LIBRARY_PATH:/opt/lib``), everything else is literal.
-    Command substitution (``$(...)``, backticks), arithmetic and ``${NAME:-...}`` forms never
-    run: they arrive as the characters written (``validate`` refuses them first)."""
-    text = _no_nul(str(value), "shell word")
-    out = "".join(f'"${{{text}}}"' if kind == "ref" else shlex.quote(text) for kind, text in expand_refs(text))
-    return out or "''"
+sh_word = _bash(_shell.sh_word)
+sh_path = _bash(_shell.sh_path)
+sh_expand = _bash(_shell.sh_expand)
+sh_run_word = _bash(_shell.sh_run_word)
+expand_refs = _shell.expand_refs
 
 
 # --------------------------------------------------------------------------- ssh_config

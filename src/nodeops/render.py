@@ -8,7 +8,7 @@ name only, and their values travel to the hosts at ``setup``/``launch`` time in 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -242,41 +242,114 @@ def control_tag(loaded: LoadedSpec) -> str:
     return hashlib.sha256("\0".join([loaded.cluster_name, *ids]).encode()).hexdigest()[:10]
 
 
+@dataclass(frozen=True)
+class SshTarget:
+    """How the controller reaches one host: one ssh_config block."""
+
+    alias: str
+    address: str
+    port: int = 22
+    user: str = ""
+    key_file: str = ""  # absolute, on the controller
+    known_hosts: str = ""  # absolute, on the controller; "" for ssh's default files
+    host_key_checking: str = "yes"  # yes or accept-new: never "no"
+    proxy_jump: str = ""
+
+
 def ssh_config(loaded: LoadedSpec) -> str:
-    """OpenSSH client config for the cluster. Host keys are always checked (never 'no').
+    """OpenSSH client config for the cluster (see :func:`ssh_config_text`)."""
+    spec = loaded.spec
+    targets = []
+    for node in spec.ranked_nodes():
+        g = spec.group(node)
+        targets.append(SshTarget(
+            spec.alias(node), node.address, g.port, g.username or "",
+            controller_path(g.key_file, loaded.spec_dir) if g.key_file else "",
+            controller_path(g.known_hosts, loaded.spec_dir) if g.known_hosts else "",
+            g.host_key_checking, g.proxy_jump or "",
+        ))  # fmt: skip
+    return ssh_config_text(targets, control_tag(loaded), HEADER.format(file=Path(loaded.file).name))
+
+
+def ssh_config_text(targets: Sequence[SshTarget], tag: str, header: str) -> str:
+    """OpenSSH client config for these hosts. Host keys are always checked (never 'no').
 
     Each block matches the node's alias and its address, so ``ssh -F ssh_config 10.0.0.2``
     gets the same user, key and pinned host keys as ``ssh -F ssh_config node2``. Every value
-    goes through :func:`nodeops.quoting.ssh_config_value`.
+    goes through :func:`nodeops.quoting.ssh_config_value`. ``tag`` names the ssh masters
+    (never shared between clusters or identities).
     """
-    spec = loaded.spec
     q = ssh_config_value
-    lines = [f"# {HEADER.format(file=Path(loaded.file).name)}", "# Use: ssh -F ssh_config <host>", ""]
-    for node in spec.ranked_nodes():
-        group = spec.group(node)
-        patterns = list(dict.fromkeys([spec.alias(node), node.address]))
-        lines.append("Host " + " ".join(q(p) for p in patterns))
-        lines.append(f"    HostName {q(node.address)}")
-        if group.username:
-            lines.append(f"    User {q(group.username)}")
-        lines.append(f"    Port {group.port}")
-        if group.key_file:
-            lines.append(f"    IdentityFile {q(controller_path(group.key_file, loaded.spec_dir), tokens=True)}")
+    lines = [f"# {header}", "# Use: ssh -F ssh_config <host>", ""]
+    for t in targets:
+        lines.append("Host " + " ".join(q(p) for p in dict.fromkeys([t.alias, t.address])))
+        lines.append(f"    HostName {q(t.address)}")
+        if t.user:
+            lines.append(f"    User {q(t.user)}")
+        lines.append(f"    Port {int(t.port)}")
+        if t.key_file:
+            lines.append(f"    IdentityFile {q(t.key_file, tokens=True)}")
             lines.append("    IdentitiesOnly yes")
-        if group.known_hosts:
-            known = controller_path(group.known_hosts, loaded.spec_dir)
-            lines.append(f"    UserKnownHostsFile {q(known, tokens=True)}")
-        lines.append(f"    StrictHostKeyChecking {group.host_key_checking}")
-        if group.proxy_jump:
-            lines.append(f"    ProxyJump {q(group.proxy_jump)}")
+        if t.known_hosts:
+            lines.append(f"    UserKnownHostsFile {q(t.known_hosts, tokens=True)}")
+        lines.append(f"    StrictHostKeyChecking {'accept-new' if t.host_key_checking == 'accept-new' else 'yes'}")
+        if t.proxy_jump:
+            lines.append(f"    ProxyJump {q(t.proxy_jump)}")
         lines += [
             "    BatchMode yes",
             "    ControlMaster auto",
-            f"    ControlPath ~/.ssh/nodeops-{control_tag(loaded)}-%C",
+            f"    ControlPath ~/.ssh/nodeops-{tag}-%C",
             "    ControlPersist 60s",
             "",
         ]
     return "\n".join(lines)
+
+
+def ssh_args_options(args: str) -> dict[str, str]:
+    """The ssh options in an Ansible ``ansible_ssh_common_args``/``ansible_ssh_extra_args`` string
+    that decide how a host is reached: ``-o Key=Value`` / ``-o Key Value`` / ``-oKey=Value``,
+    ``-J`` (ProxyJump), ``-i`` (IdentityFile), ``-p`` (Port). Keys are OpenSSH's canonical
+    spelling, lowercased; the first of each wins, as in ssh."""
+    import shlex
+
+    out: dict[str, str] = {}
+    words = shlex.split(args)
+    flags = {"-J": "proxyjump", "-i": "identityfile", "-p": "port"}
+    i = 0
+    while i < len(words):
+        w = words[i]
+        key, value = "", ""
+        if w == "-o" and i + 1 < len(words):
+            key, _, value = words[i + 1].replace("=", " ", 1).partition(" ")
+            i += 1
+        elif w.startswith("-o") and len(w) > 2:
+            key, _, value = w[2:].replace("=", " ", 1).partition(" ")
+        elif w in flags and i + 1 < len(words):
+            key, value = flags[w], words[i + 1]
+            i += 1
+        if key:
+            out.setdefault(key.strip().lower(), value.strip())
+        i += 1
+    return out
+
+
+def ssh_target_from_record(alias: str, conn: Mapping[str, Any]) -> SshTarget:
+    """An SshTarget from a run record's connection data (the launch role records each host's
+    ansible_host/port/user/key and ssh args). Host key checking switched off there becomes accept-new:
+    nodeops never turns host key checking off."""
+    opts = ssh_args_options(str(conn.get("ssh_args") or ""))
+    checking = opts.get("stricthostkeychecking", "yes").lower()
+    home = Path.home()
+
+    def local(p: str) -> str:
+        return str(home / p[2:]) if p.startswith("~/") else p
+
+    return SshTarget(
+        alias, str(conn.get("address") or alias), int(conn.get("port") or opts.get("port") or 22),
+        str(conn.get("user") or ""), local(str(conn.get("key_file") or opts.get("identityfile") or "")),
+        local(opts.get("userknownhostsfile", "").split(" ")[0]),
+        "yes" if checking in ("yes", "true", "ask") else "accept-new", opts.get("proxyjump", ""),
+    )  # fmt: skip
 
 
 def hostfile(spec: ResourceSpec) -> str:

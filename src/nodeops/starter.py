@@ -2,11 +2,12 @@
 
 The files (``job.sh``, ``follow.sh``, ``kill.sh``, ``status.sh``, ``start.sh``, the MPI shim, the
 agent and the protocol it shares, and on the chief the supervisor with its ``run.json``) are
-rendered here from ``templates/launch/`` and ``nodeops/launch/`` and then
-carried by one of two transports that end the same way, by running ``start.sh`` on the host:
+rendered from the collection's launch role (``roles/launch/templates`` and ``roles/launch/files``)
+and carried by one of two transports that end the same way, by running ``start.sh`` on the host:
 
 - ``ssh`` (default): one ssh per host, in parallel, piping a small bash bundle (pdsh's cost);
-- ``ansible``: ``playbooks/launch.yml`` through ansible-runner (copies the same files).
+- ``ansible``: the collection's launch playbook through ansible-runner: the role renders the same
+  templates with Ansible's template module from the same :func:`run_vars` (passed ``!unsafe``).
 
 Paths under the remote user's home are written ``@@HOME@@/...`` and become ``"$HOME"/...`` in the
 scripts (the controller does not know the remote home). The token is reserved: an argument that
@@ -22,15 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nodeops import launchers
+from nodeops import _launch_plan, _shell, launchers
 from nodeops.jobs import fan_out, last_line, ssh_argv
 from nodeops.launch import protocol as P
-from nodeops.quoting import sh_expand, sh_word
+from nodeops.quoting import sh_expand, sh_run_word, sh_word
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec
 
-HOME = "@@HOME@@"
-LAUNCH_SRC = Path(P.__file__).parent  # agent.py, protocol.py, supervisor.py: shipped as they are
+HOME = _shell.HOME_TOKEN
+ROLE = "launch"  # the collection's launch role: its templates/ and files/ are the run files' source
 
 
 @dataclass(frozen=True)
@@ -41,40 +42,39 @@ class RunFile:
 
 
 def shell_quote(value: object) -> str:
-    """nodeops.quoting.sh_word, with @@HOME@@ turned into "$HOME" (expanded by the remote shell)."""
-    parts = str(value).split(HOME)
-    return '"$HOME"'.join(sh_word(p) if p else "" for p in parts) or "''"
+    """nodeops.quoting.sh_run_word: one bash word, @@HOME@@ as "$HOME" (expanded by the remote shell)."""
+    return sh_run_word(value)
 
 
 def _jinja() -> Any:
+    """Jinja as the launch role's templates expect it: the collection's filters by their FQCN."""
     import jinja2
 
     env = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
                              keep_trailing_newline=True)  # fmt: skip
-    env.filters["quote"] = shell_quote
-    env.filters["expand"] = sh_expand
+    env.filters["nodeops.cluster.nodeops_sh_run_word"] = sh_run_word
+    env.filters["nodeops.cluster.nodeops_sh_expand"] = sh_expand
     return env
+
+
+def role_dir(sub: str) -> Path:
+    return data_dir("roles") / ROLE / sub
 
 
 def render_job(**kw: Any) -> str:
     """job.sh from its template with the production filters (what both transports ship)."""
     kw = {"run_id": "", "host": "", "node_rank": 0, "runner": "torchrun", "env_file": "", "activate": "",
           "env": {}, "shared_envs": {}, "secret_names": [], **kw}  # fmt: skip
-    tpl = (data_dir("templates") / "launch" / "job.sh.j2").read_text()
-    return str(_jinja().from_string(tpl).render(**kw))
+    return str(_jinja().from_string((role_dir("templates") / "job.sh.j2").read_text()).render(**kw))
 
 
 def run_dir(run_id: str) -> str:
-    return f"{HOME}/.nodeops/runs/{run_id}"
+    return str(_launch_plan.run_dir(run_id))
 
 
 def job_env(runner: str, h: launchers.HostLaunch, rdir: str) -> dict[str, str]:
     """What job.sh exports on a host, beyond env.sh and secrets.env (which setup wrote)."""
-    env = {**h.env, "NODEOPS_RUN_DIR": rdir}
-    if runner == "torchrun":
-        env.update({"PET_LOG_DIR": f"{rdir}/ranks", "PET_TEE": "3",
-                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"})  # fmt: skip
-    return env
+    return dict(_launch_plan.job_env(runner, h.env, rdir))
 
 
 def job_workdir(loaded: LoadedSpec, run_id: str) -> str:
@@ -83,47 +83,68 @@ def job_workdir(loaded: LoadedSpec, run_id: str) -> str:
     return wd.path if wd is not None else run_dir(run_id)
 
 
+def markers() -> dict[str, str]:
+    """The protocol's markers, as the launch role's templates name them."""
+    return {"started_marker": P.STARTED, "stopped_marker": P.STOPPED, "left_marker": P.LEFT,
+            "exit_marker": P.EXIT_MARK}  # fmt: skip
+
+
+def run_vars(
+    loaded: LoadedSpec, plan: list[launchers.HostLaunch], run_id: str, run_config: dict[str, Any]
+) -> dict[str, Any]:
+    """The run as the launch role takes it (``launch_run``): run id, chief, runner, the
+    protocol's markers, the supervisor's run.json, and each host's job.sh inputs (None where the
+    host starts nothing itself). Both transports render the run files from this."""
+    from nodeops.render import activation
+
+    spec = loaded.spec
+    rdir = run_dir(run_id)
+    nodes = {spec.alias(n): n for n in spec.nodes}
+    runner = spec.launch.runner
+    hosts: dict[str, Any] = {}
+    for h in plan:
+        node = nodes[h.host]
+        job = None
+        if h.argv:
+            job = {"host": h.host, "node_rank": h.node_rank, "runner": runner, "workdir": job_workdir(loaded, run_id),
+                   "env_file": f"{HOME}/.nodeops/{loaded.cluster_name}/env.sh", "activate": activation(spec, node),
+                   "env": job_env(runner, h, rdir), "shared_envs": dict(spec.group(node).shared_envs),
+                   "argv": h.argv, "secret_names": [k for k, v in spec.env.items() if v.secret]}  # fmt: skip
+        hosts[h.host] = {"node_rank": h.node_rank, "job": job}
+    return {"run_id": run_id, "chief": spec.alias(spec.chief), "runner": runner, "markers": markers(),
+            "run_config": run_config, "hosts": hosts}  # fmt: skip
+
+
+def files_from_vars(run: dict[str, Any]) -> dict[str, list[RunFile]]:
+    """Every host's run-dir files, by host alias: what the launch role writes from the same vars
+    (tests/unit/test_launch_role.py holds the two to the same bytes)."""
+    j = _jinja()
+    tdir, fdir = role_dir("templates"), role_dir("files")
+
+    def tpl(name: str, **kw: Any) -> str:
+        return str(j.from_string((tdir / name).read_text()).render(run_id=run["run_id"], **run["markers"], **kw))
+
+    out: dict[str, list[RunFile]] = {}
+    for host, hv in run["hosts"].items():
+        files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2", host=host), "0700") for s in ("follow", "kill", "status")]
+        files += [RunFile(f, (fdir / f).read_text(), "0600") for f in ("agent.py", "protocol.py")]
+        if run["runner"] == "mpirun":
+            files.append(RunFile(launchers.MPI_SHIM_FILE, (fdir / launchers.MPI_SHIM_FILE).read_text(), "0755"))
+        if hv["job"] is not None:
+            files.append(RunFile("job.sh", tpl("job.sh.j2", **hv["job"]), "0700"))
+        if host == run["chief"]:  # the run's one authority, for every runner and any number of hosts
+            files.append(RunFile("supervisor.py", (fdir / "supervisor.py").read_text(), "0600"))
+            files.append(RunFile(P.RUN_CONFIG, json.dumps(run["run_config"], indent=2), "0600"))
+        files.append(RunFile("start.sh", tpl("start.sh.j2", host=host), "0700"))
+        out[host] = files
+    return out
+
+
 def host_files(
     loaded: LoadedSpec, plan: list[launchers.HostLaunch], run_id: str, run_config: dict[str, Any]
 ) -> dict[str, list[RunFile]]:
     """Every host's run-dir files, by host alias."""
-    from nodeops.render import activation
-
-    spec = loaded.spec
-    j = _jinja()
-    tdir = data_dir("templates") / "launch"
-
-    def tpl(name: str, **kw: Any) -> str:
-        markers = {"started_marker": P.STARTED, "stopped_marker": P.STOPPED, "left_marker": P.LEFT,
-                   "exit_marker": P.EXIT_MARK}  # fmt: skip
-        return str(j.from_string((tdir / name).read_text()).render(run_id=run_id, **markers, **kw))
-
-    rdir = run_dir(run_id)
-    nodes = {spec.alias(n): n for n in spec.nodes}
-    chief = spec.alias(spec.chief)
-    runner = spec.launch.runner
-    out: dict[str, list[RunFile]] = {}
-    for h in plan:
-        node = nodes[h.host]
-        files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2"), "0700") for s in ("follow", "kill", "status")]
-        files += [RunFile(f, (LAUNCH_SRC / f).read_text(), "0600") for f in ("agent.py", "protocol.py")]
-        if runner == "mpirun":
-            files.append(RunFile("mpi_shim.sh", launchers.MPI_SHIM, "0755"))
-        if h.argv:
-            env = job_env(runner, h, rdir)
-            workdir = job_workdir(loaded, run_id)
-            files.append(RunFile("job.sh", tpl(
-                "job.sh.j2", host=h.host, node_rank=h.node_rank, runner=runner, workdir=workdir,
-                env_file=f"{HOME}/.nodeops/{loaded.cluster_name}/env.sh", activate=activation(spec, node),
-                env=env, shared_envs=dict(spec.group(node).shared_envs), argv=h.argv,
-                secret_names=[k for k, v in spec.env.items() if v.secret],
-            ), "0700"))  # fmt: skip
-        if h.host == chief:  # the run's one authority, for every runner and any number of hosts
-            files.append(RunFile("supervisor.py", (LAUNCH_SRC / "supervisor.py").read_text(), "0600"))
-            files.append(RunFile(P.RUN_CONFIG, json.dumps(run_config, indent=2), "0600"))
-        files.append(RunFile("start.sh", tpl("start.sh.j2", host=h.host), "0700"))
-        out[h.host] = files
-    return out
+    return files_from_vars(run_vars(loaded, plan, run_id, run_config))
 
 
 def bundle(run_id: str, files: list[RunFile]) -> str:
@@ -164,8 +185,9 @@ def start_supervisor(ssh_config: Path, run_id: str, chief: str, timeout: float =
     return "" if p.returncode == 0 and P.STARTED in p.stdout else last_line(p.stderr, f"exit {p.returncode}")
 
 
-def ansible_vars(run_id: str, files: dict[str, list[RunFile]]) -> dict[str, Any]:
-    """Extra vars for playbooks/launch.yml: each host's bundle, the same script the ssh transport
-    pipes (so both transports write and start exactly the same)."""
-    return {"nodeops_launch_bundle": {h: bundle(run_id, fs) for h, fs in files.items()},
-            "nodeops_started_marker": P.STARTED}  # fmt: skip
+def ansible_vars(run: dict[str, Any]) -> dict[str, Any]:
+    """Extra vars for the collection's launch playbook (``playbooks/launch.yml``, the launch
+    role): the run as :func:`run_vars` made it, so the role renders the same files from the same
+    templates; the CLI starts the supervisor, follows the run and keeps the record itself."""
+    return {"launch_run": run, "launch_supervise": False, "launch_wait": False,
+            "launch_record": False}  # fmt: skip

@@ -87,7 +87,7 @@ def test_script_mode_exposes_the_runner_prefix() -> None:
 
 def test_mpi_shim_maps_ranks(tmp_path: Path) -> None:
     shim = tmp_path / "shim"
-    shim.write_text(launchers.MPI_SHIM)
+    shim.write_text(launchers.mpi_shim())
     env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
            "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "PATH": "/usr/bin:/bin"}  # fmt: skip
     out = subprocess.run(["sh", str(shim), "sh", "-c", 'echo "$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE"'],

@@ -113,7 +113,7 @@ def launch(
     host is named with its last lines. Ctrl-C stops everything and exits 130. Options before
     the script are nodeops'; the script and every argument after it reach the script literally.
     """
-    from nodeops import jobs, launchers, starter
+    from nodeops import _launch_plan, jobs, launchers, starter
     from nodeops.cli.jobs_cmds import emitter
     from nodeops.render import inventory, require_controller_files, ssh_config
     from nodeops.runner import run_playbook
@@ -154,15 +154,16 @@ def launch(
         job.save()
         err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
         t0 = time.monotonic()
-        run_config = {"run_id": run_id, "hosts": supervised_hosts(s, started), "pdsh": s.launch.runner == "deepspeed",
-                      "agent_final": s.launch.runner == "torchrun" and s.launch.max_restarts == 0}  # fmt: skip
+        run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner,
+                                             s.launch.max_restarts)  # fmt: skip
         try:
             with sigterm_as_interrupt():
-                files = starter.host_files(loaded, plan, run_id, run_config)
+                run = starter.run_vars(loaded, plan, run_id, run_config)
+                files = starter.files_from_vars(run)
                 if via == "ssh":
                     bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
                 else:
-                    extravars = starter.ansible_vars(run_id, files)
+                    extravars = starter.ansible_vars(run)
                     # Connection data only: launch sends no env values (the ranks read env.sh and
                     # secrets.env that setup wrote), so from_env variables need not be exported.
                     result = run_playbook("launch.yml", inventory(loaded, None), kind="launch",
@@ -266,15 +267,14 @@ def launch_plan(loaded: LoadedSpec, user_argv: list[str], run_id: str, script: s
 def show_dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: bool = False) -> None:
     """`launch --dry-run`: what each host would run, from the same plan and files a launch ships;
     nothing is started and no host is reached (so no preflight)."""
-    from nodeops import jobs, starter
+    from nodeops import _launch_plan, jobs, starter
     from nodeops.quoting import sh_word
 
     s = loaded.spec
     run_id = jobs.new_run_id()
     plan = launch_plan(loaded, user_argv, run_id, script)
     started = [h.host for h in plan if h.argv]
-    run_config = {"run_id": run_id, "hosts": supervised_hosts(s, started), "pdsh": s.launch.runner == "deepspeed",
-                  "agent_final": s.launch.runner == "torchrun" and s.launch.max_restarts == 0}  # fmt: skip
+    run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner, s.launch.max_restarts)
     files = starter.host_files(loaded, plan, run_id, run_config)
 
     def home(text: str) -> str:

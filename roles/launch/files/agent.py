@@ -1,0 +1,306 @@
+"""nodeops launch: the per-host agent (stdlib only, Python 3.8+), shipped into every run dir.
+
+``python3 agent.py host``
+    Started by start.sh in its own session. Runs ``job.sh`` in a new process group (its pgid in
+    ``pgid``, its output in ``host.log``, ``NODEOPS_RUN_ID`` in its environment), writes
+    ``exit_code`` when it ends, and is the host's dead man's switch: if no supervisor attached
+    within ATTACH_DEADLINE, or the supervisor's heartbeat stops for HEARTBEAT_STALE, it stops
+    the job (and says why in ``lost``). It never outlives the job.
+
+``python3 agent.py guard [--job] [--agent-final] [--pdsh]``
+    The supervisor's link to this host (over ssh, or a local child on the chief). Reads
+    heartbeats and commands on stdin (a line each; ``stop`` stops the run here), touches
+    ``heartbeat``, and reports on stdout, one line each: ``watching``, ``exit CODE|killed``,
+    ``agent-failed CODE own|peer [stopped]`` (torchrun's final failure line, with --agent-final:
+    the worker's exit code, whether the lines before it say a peer went away first, and whether
+    it was read after a stop came), ``pdsh-failed ADDRESS
+    CODE`` (with --pdsh), ``stopped N`` (N processes of the run left after a stop). On stdin EOF
+    or silence for HEARTBEAT_STALE (the chief or its supervisor died) it stops the run here.
+    It exits once the job here has ended, or after a stop where there is no job.
+
+``python3 agent.py kill``   stop the run on this host now; prints @@nodeops-stopped or @@nodeops-left N.
+``python3 agent.py status`` print running / exited CODE / killed / idle / running (N process(es) ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+
+if __package__:
+    from . import protocol as P
+else:  # shipped: protocol.py lies beside this file
+    import protocol as P  # type: ignore[import-not-found,no-redef]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUN_ID = os.path.basename(HERE)
+
+
+def path(name: str) -> str:
+    return os.path.join(HERE, name)
+
+
+def read(name: str) -> str | None:
+    try:
+        with open(path(name)) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def write_atomic(name: str, text: str) -> None:
+    tmp = path(name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text + "\n")
+    os.replace(tmp, path(name))
+
+
+def log(msg: str) -> None:
+    with open(path(P.AGENT_LOG), "a") as f:
+        f.write(f"{time.time():.3f} {os.getpid()} {msg}\n")
+
+
+def tagged_pids() -> list[int]:
+    """Processes of this run on this host: NODEOPS_RUN_ID=<run id> in their environment (an
+    exact entry, never a command line). torchrun starts workers in new sessions, and mpirun or
+    pdsh start ranks from the chief, so the process group alone does not reach them all."""
+    want = f"{P.TAG_VAR}={RUN_ID}".encode()
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+def leader_is_ours(pgid: int) -> bool:
+    try:
+        with open(f"/proc/{pgid}/environ", "rb") as f:
+            return f"{P.TAG_VAR}={RUN_ID}".encode() in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def kill_run(why: str) -> int:
+    """SIGTERM the job's group (only while it is still this run's: not ended, leader tagged), then
+    SIGKILL whatever still carries the run's tag after GRACE. Returns how many survived."""
+    pg = read(P.PGID)
+    if pg and pg.isdigit() and read(P.EXIT) is None and leader_is_ours(int(pg)):
+        if not os.path.exists(path(P.KILLED)):
+            write_atomic(P.KILLED, why)
+        with contextlib.suppress(OSError):
+            os.killpg(int(pg), signal.SIGTERM)
+    deadline = time.monotonic() + P.GRACE
+    while tagged_pids() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in tagged_pids():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 2
+    while tagged_pids() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = len(tagged_pids())
+    log(f"kill ({why}): {left} left")
+    return left
+
+
+def mtime(name: str) -> float | None:
+    try:
+        return os.stat(path(name)).st_mtime
+    except OSError:
+        return None
+
+
+# --------------------------------------------------------------------------- host
+def host() -> int:
+    if read(P.PGID) is not None:
+        return 0  # already started (start.sh is safe to run twice)
+    with open(path(P.LOG), "ab") as out:
+        job = subprocess.Popen(["bash", path(P.JOB)], cwd=HERE, stdin=subprocess.DEVNULL, stdout=out,
+                               stderr=subprocess.STDOUT, start_new_session=True,
+                               env=dict(os.environ, **{P.TAG_VAR: RUN_ID}))  # fmt: skip
+    write_atomic(P.AGENT_PID, str(os.getpid()))
+    write_atomic(P.PGID, str(job.pid))
+    log(f"job started, pgid {job.pid}")
+    stopping = []
+
+    def on_signal(sig: int, _frame: object) -> None:  # an operator's kill, a shutdown: never orphan the job
+        stopping.append(f"the agent got signal {sig}")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    started = time.monotonic()
+    seen_beat, beat_at = mtime(P.HEARTBEAT), time.monotonic()  # staleness on this clock, not the wall's
+    while True:
+        rc = job.poll()
+        if rc is not None:
+            break
+        beat = mtime(P.HEARTBEAT)
+        now = time.monotonic()
+        if beat != seen_beat:
+            seen_beat, beat_at = beat, now
+        lost = stopping[0] if stopping else ""
+        if beat is None and now - started > P.ATTACH_DEADLINE:
+            lost = f"no supervisor attached within {P.ATTACH_DEADLINE:.0f}s"
+        elif beat is not None and now - beat_at > P.HEARTBEAT_STALE + 1:
+            lost = f"no heartbeat from the supervisor for {now - beat_at:.0f}s"
+        if lost:
+            write_atomic(P.LOST, lost)
+            kill_run(lost)
+            rc = job.wait()
+            break
+        time.sleep(0.2)
+    write_atomic(P.EXIT, str(rc if rc >= 0 else 128 - rc))
+    log(f"job ended: {rc}")
+    return 0
+
+
+# --------------------------------------------------------------------------- guard
+def say(line: str) -> None:
+    try:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+    except OSError:  # the supervisor is gone; the EOF on stdin says so too
+        pass
+
+
+class LogScan:
+    """Reads host.log as it grows, line by line, without a tail or grep process."""
+
+    def __init__(self) -> None:
+        self.pos = 0
+        self.partial = b""
+
+    def lines(self) -> list[str]:
+        try:
+            with open(path(P.LOG), "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except OSError:
+            return []
+        self.pos += len(data)
+        *complete, self.partial = (self.partial + data).split(b"\n")
+        return [c.decode(errors="replace") for c in complete]
+
+
+def agent_alive() -> bool:
+    pid = read(P.AGENT_PID)
+    if not pid or not pid.isdigit():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")  # a zombie is dead too
+
+
+def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
+    say("watching")
+    open(path(P.HEARTBEAT), "a").close()
+    os.utime(path(P.HEARTBEAT))
+    last_beat = time.monotonic()
+    scan = LogScan()
+    recent: deque[str] = deque(maxlen=200)  # what the ranks printed before torchrun's failure line
+    agent_failed_said = False
+    stopped = False
+    buf = b""
+    while True:
+        ready, _, _ = select.select([0], [], [], 0.2)
+        # The log first: a failure printed before a stop arrives is reported, not lost to the stop.
+        if agent_final or pdsh:
+            for line in scan.lines():
+                m = P.AGENT_FAILED.search(line) if agent_final and not agent_failed_said else None
+                if m:
+                    agent_failed_said = True
+                    peer = any(P.PEER_LOST.search(r) for r in recent)
+                    # "stopped": this line was read after a stop came (its code may be the stop's doing)
+                    say(f"agent-failed {m.group(1)} {'peer' if peer else 'own'}" + (" stopped" if stopped else ""))
+                recent.append(line)
+                m = P.PDSH_EXIT.match(line) if pdsh else None
+                if m and m.group(2) != "0":
+                    say(f"pdsh-failed {m.group(1)} {m.group(2)}")
+        if ready:
+            chunk = os.read(0, 4096)
+            if not chunk:  # the supervisor (or the chief) is gone: stop here, and say so if anyone listens
+                say(f"lost-stopped {kill_run('the supervisor connection closed')} the supervisor connection closed")
+                return 0
+            last_beat = time.monotonic()
+            os.utime(path(P.HEARTBEAT))
+            buf += chunk
+            *cmds, buf = buf.split(b"\n")
+            if b"stop" in (c.strip() for c in cmds) and not stopped:
+                stopped = True
+                say(f"stopped {kill_run('stop requested by the supervisor')}")
+                if not has_job:
+                    return 0
+        elif time.monotonic() - last_beat > P.HEARTBEAT_STALE:
+            why = f"no heartbeat from the supervisor for {P.HEARTBEAT_STALE:.0f}s"
+            say(f"lost-stopped {kill_run(why)} {why}")
+            return 0
+        if not has_job:
+            continue
+        code = read(P.EXIT)
+        if code is None and read(P.PGID) is not None and not agent_alive():
+            time.sleep(0.3)  # the agent may have written exit_code just before it ended
+            code = read(P.EXIT)
+            if code is None:
+                kill_run("the host agent died")
+                say("exit agent-died")
+                return 0
+        if code is not None:
+            killed = read(P.KILLED)
+            left = kill_run("the job ended: its strays") if tagged_pids() else 0  # nothing outlives the job
+            say("exit " + ("killed " + (killed or "") if killed is not None else code)
+                + (f" ({left} left)" if left else ""))  # fmt: skip
+            return 0
+
+
+# --------------------------------------------------------------------------- kill / status
+def status() -> str:
+    n = len(tagged_pids())
+    if not os.path.exists(path(P.JOB)):
+        return f"running ({n} process(es) started from the chief)" if n else "idle"
+    code = read(P.EXIT)
+    strays = f" ({n} process(es) of the run still alive)" if n else ""
+    if os.path.exists(path(P.KILLED)) and (code is None or code != "0"):
+        return "killed" + strays
+    if code is not None:
+        return f"exited {code}" + strays
+    pg = read(P.PGID)
+    if pg and pg.isdigit() and leader_is_ours(int(pg)):
+        return "running"
+    return "killed"
+
+
+def main(argv: list[str]) -> int:
+    mode = argv[1] if len(argv) > 1 else ""
+    if mode == "host":
+        return host()
+    if mode == "guard":
+        return guard("--job" in argv, "--agent-final" in argv, "--pdsh" in argv)
+    if mode == "kill":
+        left = kill_run("nodeops stop/teardown")
+        print(P.STOPPED if left == 0 else f"{P.LEFT}{left}")
+        return 0
+    if mode == "status":
+        print(status())
+        return 0
+    sys.stderr.write("usage: agent.py host|guard|kill|status\n")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

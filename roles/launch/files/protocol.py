@@ -1,0 +1,78 @@
+"""The launch protocol: run-dir layout, file names, markers and timings, shared by the
+controller (``nodeops.jobs``, ``nodeops.starter``), the per-host agent and the chief's
+supervisor. Stdlib only: shipped beside ``agent.py`` and ``supervisor.py`` in every run dir.
+
+A run dir is ``~/.nodeops/runs/<run id>/`` on every host of the run.
+"""
+
+from __future__ import annotations
+
+import re
+
+RUNS_DIR = ".nodeops/runs"  # relative to the login user's home
+TAG_VAR = "NODEOPS_RUN_ID"  # every process of a job carries NODEOPS_RUN_ID=<run id>; never the agent's own
+
+# Files in the run dir.
+JOB = "job.sh"  # what this host runs (absent where mpirun/deepspeed start the ranks from the chief)
+LOG = "host.log"  # the job's stdout+stderr
+PGID = "pgid"  # the job's process group (its leader is bash job.sh)
+EXIT = "exit_code"  # the job's exit code, written by the agent when the job ends
+KILLED = "killed"  # written when the job was stopped while running (by stop, fail-fast or lost supervision)
+LOST = "lost"  # why the agent stopped the job on its own (the dead man's switch)
+HEARTBEAT = "heartbeat"  # touched by the guard at every heartbeat from the supervisor
+RUN_CONFIG = "run.json"  # the supervisor's input (chief only)
+RESULT = "result.json"  # the supervisor's verdict (chief only); its presence means the run is over
+STOP_REQUEST = "stop_request"  # the controller asks the supervisor to stop the run (chief only)
+SUPERVISOR_LOG = "supervisor.log"
+AGENT_LOG = "agent.log"
+AGENT_PID = "agent.pid"  # the host agent's pid, while it runs
+SUPERVISOR_PID = "supervisor.pid"  # written by the supervisor once it runs
+
+# Markers on stdout of the scripts the controller runs over ssh.
+STARTED = "@@nodeops-started"
+EXIT_MARK = "@@nodeops-exit "  # follow.sh: "@@nodeops-exit CODE" / "killed" / "never-started"
+STOPPED = "@@nodeops-stopped"  # kill: nothing of the run is left on this host
+LEFT = "@@nodeops-left "  # kill: "@@nodeops-left N" processes survived SIGKILL
+
+# Timings (seconds).
+HEARTBEAT_EVERY = 1.0  # supervisor -> every guard
+HEARTBEAT_STALE = 5.0  # a guard (or agent) that hears nothing this long stops the job
+ATTACH_DEADLINE = 150.0  # a job that no supervisor attached to within this is stopped (> the start budget)
+GRACE = 2.0  # SIGTERM, then this long, then SIGKILL
+RESULT_WAIT = 20.0  # how long the controller waits for result.json after the last host ended
+
+# ssh options every launch connection uses, from the controller and from the chief: fail in 10 s
+# when a host does not answer, and notice a dead connection within ~6 s.
+SSH_TIMEOUTS = ["ConnectTimeout=10", "ServerAliveInterval=2", "ServerAliveCountMax=3"]
+
+# torchrun's agent, the moment it sees a worker fail (before its own shutdown and exit): final
+# when there are no restarts.
+AGENT_FAILED = re.compile(r"failed \(exitcode: ([1-9]\d*|-\d+)\) local_rank: \d+")
+# What a rank prints when it fails because another rank died first (gloo, NCCL, the TCPStore):
+# such a failure is a consequence, never the root cause when a rank that failed on its own is
+# reported within ROOT_CAUSE_WINDOW of it.
+PEER_LOST = re.compile(
+    r"Connection (?:closed|reset) by peer|remote worker crash|remote process exited|communicator was aborted"
+    r"|[Ww]atchdog caught collective operation timeout|DistNetworkError|Failed to recv"
+)
+ROOT_CAUSE_WINDOW = 5.0  # seconds after the first failure in which a likelier root cause replaces it
+# How likely a failure report is the root cause, most likely first.
+CAUSE_OWN = 0  # a worker exited with a code of its own, its lines naming no lost peer
+CAUSE_LOST = 1  # a host lost, its agent dead, its job stopped outside the supervisor
+CAUSE_EXIT = 2  # a job's non-zero exit, a worker's signal death: no more known
+CAUSE_PEER = 3  # a worker whose lines say a peer went away first
+
+
+def replaces_first(first_rank: int, first_age: float, rank: int, after_stop: bool) -> bool:
+    """Whether a later failure report becomes the run's first failure instead: only a likelier
+    cause, within ROOT_CAUSE_WINDOW of the first, and never one that came after that host was
+    told to stop (a worker may exit 1 from its own SIGTERM handler)."""
+    return not after_stop and rank < first_rank and first_age < ROOT_CAUSE_WINDOW
+
+
+# pdsh (DeepSpeed's runner) reports a node whose command failed, and keeps waiting.
+PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
+
+
+def run_dir(run_id: str) -> str:
+    return f"{RUNS_DIR}/{run_id}"

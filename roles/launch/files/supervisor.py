@@ -1,0 +1,280 @@
+"""nodeops launch: the chief's supervisor (stdlib only, Python 3.8+), the one authority for a
+run's life, for attached and detached runs alike.
+
+Started by start.sh on the chief in its own session. Reads ``run.json``::
+
+    {"run_id": ..., "agent_final": bool, "pdsh": bool,
+     "hosts": [{"name", "address", "port", "user", "local": bool, "dir"?: path}]}
+
+and runs one guard (``agent.py guard``) per host: a local child for the chief, ``ssh`` (BatchMode,
+strict host keys) for the others. It sends every guard a heartbeat each HEARTBEAT_EVERY, so each
+host's agent stops its job by itself when the supervisor or the chief dies (the dead man's
+switch). The decision is made here, once:
+
+- the first failure (a job's non-zero exit, torchrun's final failure line, pdsh's report of a
+  failed node, a host whose guard is lost) stops every other host (``stop`` through each
+  guard's own connection: no new ssh handshakes on the teardown path);
+- ``stop_request`` in the run dir (``nodeops stop``, Ctrl-C on an attached launch) stops all;
+- when every job has ended, hosts without a job (mpirun/deepspeed ranks) are swept.
+
+Then it writes ``result.json`` and exits, always. Progress goes to ``supervisor.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+if __package__:
+    from . import protocol as P
+else:  # shipped: protocol.py lies beside this file
+    import protocol as P  # type: ignore[import-not-found,no-redef]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# The mesh path (as mpirun and pdsh use it): strict host keys, no prompts, no user ControlMaster.
+SSH_OPTS = ["BatchMode=yes", "StrictHostKeyChecking=yes", *P.SSH_TIMEOUTS, "ControlMaster=no", "ControlPath=none"]
+
+
+def log(msg: str) -> None:
+    with open(os.path.join(HERE, P.SUPERVISOR_LOG), "a") as f:
+        f.write(f"{time.time():.3f} {msg}\n")
+
+
+class Link:
+    """One host's guard process and what it reported."""
+
+    def __init__(self, host: dict[str, Any], run_id: str, flags: list[str]) -> None:
+        self.name: str = host["name"]
+        self.address: str = host.get("address", "")
+        self.has_job = bool(host.get("job", True))
+        flags = (["--job"] if self.has_job else []) + flags
+        if host.get("local"):
+            d = host.get("dir") or HERE
+            argv = [sys.executable, os.path.join(d, "agent.py"), "guard", *flags]
+        else:
+            argv = ["ssh", "-p", str(host.get("port", 22))]
+            for o in SSH_OPTS:
+                argv += ["-o", o]
+            if host.get("user"):
+                argv += ["-l", host["user"]]
+            # ssh joins its arguments into one shell line on the host: quote each word (this file is
+            # shipped stdlib-only, so shlex here; nodeops.quoting.sh_word is the same function)
+            argv += [host["address"], shlex.join(["python3", f"{P.run_dir(run_id)}/agent.py", "guard", *flags])]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     universal_newlines=True, start_new_session=True)  # fmt: skip
+        self.lock = threading.Lock()
+        self.watching = False
+        self.ended: str | None = None  # "0", "1", "killed", ...
+        self.left: int | None = None  # processes left after a stop (None: no confirmation)
+        self.lost = ""
+        self.sent_stop = False  # this supervisor told it to stop
+        self.stderr: list[str] = []
+
+    def send(self, line: str) -> None:
+        with self.lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(line + "\n")
+                self.proc.stdin.flush()
+            except (OSError, ValueError):
+                pass
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            except (OSError, ValueError):
+                pass
+
+
+def read_events(link: Link, events: queue.Queue[tuple[Link, str | None]]) -> None:
+    assert link.proc.stdout is not None and link.proc.stderr is not None
+    err = link.proc.stderr
+
+    def drain() -> None:  # its own thread: a stderr held open elsewhere never blocks the verdict
+        for line in err:
+            if line.strip():
+                link.stderr.append(line.strip())
+
+    drainer = threading.Thread(target=drain, daemon=True)
+    drainer.start()
+    for line in link.proc.stdout:
+        events.put((link, line.strip()))
+    link.proc.wait()
+    drainer.join(timeout=2)
+    link.lost = link.lost or (link.stderr[-1] if link.stderr else f"its guard exited {link.proc.returncode}")
+    events.put((link, None))
+
+
+def host_result(lk: Link) -> dict[str, Any]:
+    return {"ended": lk.ended, "left": lk.left, "lost": lk.lost if lk.ended == "lost" else ""}
+
+
+def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
+    run_id = cfg["run_id"]
+    flags = (["--agent-final"] if cfg.get("agent_final") else []) + (["--pdsh"] if cfg.get("pdsh") else [])
+    links = [Link(h, run_id, flags) for h in cfg["hosts"]]
+    by_address = {lk.address: lk for lk in links}
+    events: queue.Queue[tuple[Link, str | None]] = queue.Queue()
+    for lk in links:
+        threading.Thread(target=read_events, args=(lk, events), daemon=True).start()
+    done = threading.Event()
+
+    def heartbeat() -> None:
+        while not done.wait(P.HEARTBEAT_EVERY):
+            for lk in links:
+                lk.send("")
+
+    threading.Thread(target=heartbeat, daemon=True).start()
+    first: dict[str, Any] | None = None
+    stopping_since: float | None = None  # a failure or a stop request: the teardown's clock
+    sweep_since: float | None = None  # every job ended: job-less hosts are swept
+    outcome = "ok"
+    gone: set[str] = set()
+    closed = False
+    stop_file = os.path.join(HERE, P.STOP_REQUEST)
+
+    def stop_all(why: str, spare: str = "", sweep: bool = False) -> None:
+        nonlocal stopping_since, sweep_since
+        if sweep:
+            sweep_since = time.monotonic()
+        elif stopping_since is None:
+            stopping_since = time.monotonic()
+        log(f"stopping every host: {why}")
+        for lk in links:
+            if lk.name != spare and lk.name not in gone:
+                lk.sent_stop = True
+                lk.send("stop")
+
+    first_rank = 0
+    first_at = 0.0
+
+    def fail(lk: Link, code: str, why: str, rank: int = P.CAUSE_EXIT, after_stop: bool = False) -> None:
+        """A failure report. The first one starts the teardown at once. Ranks fail together (a
+        crashed rank's peers abort within a second), and the first report can come from a
+        victim (the chief's guard has no ssh hop): a likelier cause reported soon after becomes
+        the first failure instead (``P.replaces_first``)."""
+        nonlocal first, outcome, first_rank, first_at
+        entry = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why}
+        if first is None and outcome == "ok":
+            first, first_rank, first_at = entry, rank, time.monotonic()
+            outcome = "failed"
+            log(f"first failure: {lk.name}: {why}")
+            # a job host whose job is ending by itself is spared (it keeps its own exit code)
+            stop_all(f"{lk.name}: {why}", spare=lk.name if lk.has_job and code != "lost" else "")
+        elif (first is not None and lk.name != first["host"]
+              and P.replaces_first(first_rank, time.monotonic() - first_at, rank, after_stop)):  # fmt: skip
+            log(f"root cause: {lk.name}: {why} (before it: {first['host']}: {first['why']})")
+            first, first_rank = entry, rank
+
+    def handle(lk: Link, line: str) -> None:
+        words = line.split()
+        if not words:
+            return
+        if line == "watching":
+            lk.watching = True
+        elif words[0] == "exit":
+            lk.ended = words[1]
+            if first is not None and first["host"] == lk.name and first["code"] is None and lk.ended.isdigit():
+                first["code"] = int(lk.ended)  # torchrun's failure line came first; this is its exit
+            if lk.ended == "killed":
+                if not lk.sent_stop:  # stopped by someone else (an operator, its own dead man's switch)
+                    fail(lk, "lost", "stopped outside the supervisor: " + " ".join(words[2:]), P.CAUSE_LOST)
+            elif lk.ended != "0":
+                died = lk.ended == "agent-died"
+                fail(lk, lk.ended, "its host agent died" if died else f"exited {lk.ended}",
+                     P.CAUSE_LOST if died else P.CAUSE_EXIT)  # fmt: skip
+        elif words[0] == "agent-failed":  # agent-failed CODE own|peer [stopped]
+            worker = words[1] if len(words) >= 3 and words[1].lstrip("-").isdigit() else ""
+            after_stop = words[-1] == "stopped"
+            if worker.startswith("-") and (lk.sent_stop or after_stop):
+                return  # its workers died of this supervisor's own stop
+            peer = len(words) >= 3 and words[2] == "peer"
+            rank = P.CAUSE_PEER if peer else P.CAUSE_EXIT if worker.startswith("-") or not worker else P.CAUSE_OWN
+            detail = f" (exit code {worker}{', after losing a peer' if peer else ''})" if worker else ""
+            fail(lk, worker if rank == P.CAUSE_OWN else "agent-failed", "torchrun reported a failed worker" + detail,
+                 rank, after_stop)  # fmt: skip
+        elif words[0] == "pdsh-failed" and len(words) == 3:
+            fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)", P.CAUSE_EXIT)
+        elif words[0] == "stopped" and len(words) == 2:
+            lk.left = int(words[1])
+        elif words[0] == "lost-stopped":
+            lk.left, lk.ended = int(words[1]), "lost"
+            lk.lost = "its guard stopped the run there: " + " ".join(words[2:])
+            if not lk.sent_stop:
+                fail(lk, "lost", lk.lost, P.CAUSE_LOST)
+
+    signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
+    while len(gone) < len(links):
+        if stopping_since is None and sweep_since is None and os.path.exists(stop_file):
+            outcome = "stopped" if first is None else outcome
+            stop_all("stop requested")
+        since = stopping_since or sweep_since
+        if since is not None and time.monotonic() - since > 30 and not closed:
+            closed = True
+            log("guards did not confirm within 30s; closing their connections")
+            for lk in links:
+                lk.close()
+        try:
+            lk, line = events.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        if line is None:
+            gone.add(lk.name)
+            if lk.ended is None and not (lk.sent_stop and lk.left is not None):
+                lk.ended = "lost"
+                fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}", P.CAUSE_LOST)
+        else:
+            log(f"{lk.name}: {line}")
+            handle(lk, line)
+        if sweep_since is None and all(lk.ended is not None for lk in links if lk.has_job):
+            # every job ended: sweep the job-less hosts (mpirun/deepspeed ranks), spared ones too
+            stop_all("every job has ended: sweep the hosts", sweep=True)
+    done.set()
+    for lk in links:
+        lk.close()
+        try:
+            lk.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            lk.proc.kill()
+    took = None if stopping_since is None else round(time.monotonic() - stopping_since, 3)
+    return {
+        "run_id": run_id,
+        "outcome": outcome,
+        "first_failure": first,
+        "hosts": {lk.name: host_result(lk) for lk in links},
+        "teardown_seconds": took,
+    }
+
+
+def main() -> int:
+    with open(os.path.join(HERE, P.RUN_CONFIG)) as f:
+        cfg = json.load(f)
+    with open(os.path.join(HERE, P.SUPERVISOR_PID), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    log("supervising " + ", ".join(h["name"] for h in cfg["hosts"]))
+    try:
+        result = supervise(cfg)
+    except Exception as e:  # never leave the run without a verdict
+        result = {"run_id": cfg["run_id"], "outcome": "error", "first_failure": None, "hosts": {},
+                  "teardown_seconds": None, "error": repr(e)}  # fmt: skip
+        log(f"error: {e!r}")
+    tmp = os.path.join(HERE, P.RESULT + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(tmp, os.path.join(HERE, P.RESULT))
+    log(f"done: {result['outcome']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
