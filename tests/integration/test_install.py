@@ -71,7 +71,7 @@ def test_roles_build_as_a_collection(tmp_path: Path) -> None:
     (tarball,) = tmp_path.glob("nodeops-cluster-*.tar.gz")
     with tarfile.open(tarball) as tar:
         names = tar.getnames()
-    for role in ("ssh_mesh", "python_env", "shared_path", "nccl_env", "deepspeed_env"):
+    for role in ("ssh_mesh", "python_env", "shared_path", "nccl_env", "deepspeed_env", "launch"):
         assert f"roles/{role}/tasks/main.yml" in names
         assert f"roles/{role}/meta/argument_specs.yml" in names
     assert not [n for n in names if n.startswith(("src/", "tests/", ".venv/", ".cache/", ".config/", "molecule/",

@@ -19,3 +19,20 @@ def test_galaxy_metadata_is_complete_and_versioned_with_the_package() -> None:
     assert (ROOT / galaxy["readme"]).is_file()
     runtime = yaml.safe_load((ROOT / "meta" / "runtime.yml").read_text())
     assert runtime["requires_ansible"].startswith(">=")
+
+
+def test_the_collection_needs_no_nodeops_package() -> None:
+    """Infra repos install only the collection: its plugins and the launch role's files import
+    nothing from the nodeops package (the package imports them instead, through its links)."""
+    offenders = []
+    for base in ("plugins", "roles"):
+        for p in (ROOT / base).rglob("*.py"):
+            text = p.read_text()
+            if "from nodeops" in text or "import nodeops" in text:
+                offenders.append(str(p.relative_to(ROOT)))
+    assert offenders == []
+    for link, target in [("src/nodeops/_shell.py", "plugins/module_utils/nodeops_shell.py"),
+                         ("src/nodeops/_launch_plan.py", "plugins/module_utils/nodeops_launch.py"),
+                         *((f"src/nodeops/launch/{f}", f"roles/launch/files/{f}")
+                           for f in ("agent.py", "protocol.py", "supervisor.py"))]:  # fmt: skip
+        assert (ROOT / link).is_symlink() and (ROOT / link).resolve() == (ROOT / target).resolve(), link
