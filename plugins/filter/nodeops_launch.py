@@ -105,8 +105,17 @@ def nodeops_launch_run(
         problems.append(f"launch_rendezvous: {rendezvous!r}; use static or c10d")
     if not argv and not script:
         problems.append("launch_argv: empty; give the training script and its arguments, e.g. [train.py, --lr, '1e-3']")
-    if any(isinstance(a, (Mapping, list)) for a in argv):
-        problems.append("launch_argv: every element must be a string (a list of the script's words)")
+    if isinstance(argv, str) or any(isinstance(a, (Mapping, list)) for a in argv):
+        problems.append("launch_argv: must be a list of the script's words, e.g. [train.py, --lr, '1e-3'] "
+                        "(with -e, pass JSON: -e '{\"launch_argv\": [\"train.py\"]}')")  # fmt: skip
+    if any(_shell.HOME_TOKEN in str(a) for a in argv):
+        problems.append(f"launch_argv: {_shell.HOME_TOKEN} is reserved (it becomes the host's $HOME in run files)")
+    if isinstance(forward_env, str):
+        problems.append("launch_forward_env: must be a list of variable names")
+        forward_env = ()
+    if env is not None and not isinstance(env, Mapping):
+        problems.append("launch_env: must be a mapping of NAME: value")
+        env = None
     if run_id and not _RUN_ID.match(run_id):
         problems.append(f"launch_run_id: {run_id!r} is not like 20261122-101500-ab12 (leave it empty)")
     user_env = {str(k): str(v) for k, v in (env or {}).items()}
@@ -118,15 +127,17 @@ def nodeops_launch_run(
         hv = hostvars[h]
         try:
             nproc = int(_var(hv, "launch_nproc_per_node", nproc_per_node))
-            port = int(_var(hv, "ansible_port", 22))
+            port = int(_var(hv, "ansible_port", _var(hv, "ansible_ssh_port", 0)))  # 0: ssh's own (ssh args, 22)
         except (TypeError, ValueError) as e:
             problems.append(f"{h}: launch_nproc_per_node / ansible_port: not an integer ({e})")
             continue
         if nproc < 1:
             problems.append(f"{h}: launch_nproc_per_node: {nproc}; at least 1")
-        address = str(_var(hv, "ansible_host", h))
+        address = str(_var(hv, "ansible_host", _var(hv, "ansible_ssh_host", h)))
+        if address.startswith("-") or h.startswith("-"):
+            problems.append(f"{h}: ansible_host {address!r}: a host name or address may not start with '-'")
         nodes.append({"host": h, "address": address, "nproc": nproc})
-        conn[h] = {"address": address, "port": port, "user": str(_var(hv, "ansible_user", "")),
+        conn[h] = {"address": address, "port": port, "user": str(_var(hv, "ansible_user", _var(hv, "ansible_ssh_user", ""))),
                    "key_file": str(_var(hv, "ansible_ssh_private_key_file", _var(hv, "ansible_private_key_file", ""))),
                    "ssh_args": " ".join(str(_var(hv, k, "")) for k in ("ansible_ssh_common_args", "ansible_ssh_extra_args")).strip()}  # fmt: skip
     if problems:
@@ -154,7 +165,7 @@ def nodeops_launch_run(
                    "argv": p["argv"], "secret_names": []}  # fmt: skip
         run_hosts[p["host"]] = {"node_rank": p["node_rank"], "job": job}
     started = [p["host"] for p in plan if p["argv"]]
-    supervised = [{"name": p["host"], "address": p["address"], "port": conn[p["host"]]["port"],
+    supervised = [{"name": p["host"], "address": p["address"], "port": conn[p["host"]]["port"] or 22,
                    "user": conn[p["host"]]["user"], "local": p["host"] == chief, "job": p["host"] in started}
                   for p in plan]  # fmt: skip
     markers = {"started_marker": _protocol.STARTED, "stopped_marker": _protocol.STOPPED,

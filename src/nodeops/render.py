@@ -333,22 +333,29 @@ def ssh_args_options(args: str) -> dict[str, str]:
     return out
 
 
-def ssh_target_from_record(alias: str, conn: Mapping[str, Any]) -> SshTarget:
+def ssh_target_from_record(alias: str, conn: Mapping[str, Any], pin_file: str = "") -> SshTarget:
     """An SshTarget from a run record's connection data (the launch role records each host's
     ansible_host/port/user/key and ssh args). Host key checking switched off there becomes accept-new:
     nodeops never turns host key checking off."""
-    opts = ssh_args_options(str(conn.get("ssh_args") or ""))
+    try:
+        opts = ssh_args_options(str(conn.get("ssh_args") or ""))
+    except ValueError as e:  # unbalanced quotes
+        raise RenderError(f"{alias}: ansible_ssh_common_args/extra_args cannot be split ({e})") from None
     checking = opts.get("stricthostkeychecking", "yes").lower()
+    known = opts.get("userknownhostsfile", "")
     home = Path.home()
 
     def local(p: str) -> str:
         return str(home / p[2:]) if p.startswith("~/") else p
 
+    strict = checking in ("yes", "true", "ask")
+    if checking in ("no", "off", "false") or known in ("/dev/null", "none"):
+        # checking was off there: pin on first use in a file nodeops keeps, never accept every key
+        known, strict = pin_file or known, False
     return SshTarget(
         alias, str(conn.get("address") or alias), int(conn.get("port") or opts.get("port") or 22),
         str(conn.get("user") or ""), local(str(conn.get("key_file") or opts.get("identityfile") or "")),
-        local(opts.get("userknownhostsfile", "").split(" ")[0]),
-        "yes" if checking in ("yes", "true", "ask") else "accept-new", opts.get("proxyjump", ""),
+        local(known), "yes" if strict else "accept-new", opts.get("proxyjump", ""),
     )  # fmt: skip
 
 

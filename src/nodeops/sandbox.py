@@ -71,6 +71,11 @@ class Sandbox:
     def ssh_config(self) -> Path:
         return self.state_dir / "ssh_config"
 
+    @property
+    def inventory_path(self) -> Path:
+        """The same nodes as an Ansible inventory (every command takes it in place of the spec)."""
+        return self.state_dir / "inventory.yml"
+
 
 def home() -> Path:
     return Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
@@ -316,6 +321,25 @@ def spec_text(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def inventory_text(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> str:
+    """The sandbox as a plain Ansible inventory: the spec's nodes, user, key and pinned host keys."""
+    import shlex
+
+    import yaml
+
+    inv = {"all": {
+        "vars": {"ansible_user": USER, "ansible_port": SSH_PORT,
+                 "ansible_ssh_private_key_file": str(sdir / "id_ed25519"),
+                 "ansible_ssh_common_args": "-o UserKnownHostsFile=" + shlex.quote(str(sdir / "known_hosts")),
+                 "nodeops": {"name": name}},
+        "hosts": {n.name: {"ansible_host": n.address} for n in node_list},
+        "children": {"chief": {"hosts": {node_list[0].name: None}}},
+    }}  # fmt: skip
+    head = (f"# nodeops sandbox '{name}' as an Ansible inventory (the nodes of cluster.yaml beside it).\n"
+            f"# Remove with: nodeops sandbox down --name {name}\n")  # fmt: skip
+    return head + yaml.safe_dump(inv, sort_keys=False)
+
+
 def used_subnets() -> list[ipaddress.IPv4Network]:
     """IPv4 networks already taken on this machine: every Docker network's subnets and the
     host's own routes (a sandbox there would shadow a real network)."""
@@ -443,6 +467,7 @@ def up(
         (sdir / "known_hosts").write_text("\n".join(known) + "\n")
         sb = Sandbox(name=name, state_dir=sdir, nodes=node_list)
         sb.spec_path.write_text(spec_text(name, node_list, sdir))
+        sb.inventory_path.write_text(inventory_text(name, node_list, sdir))
         _write_ssh_config(sb)
         verify(sb)
         return sb

@@ -573,9 +573,9 @@ class LoadedSpec:
         """An error at a field of the loaded file (``path`` as in the model), with its line."""
         if self.legacy and path[:2] == ("ssh", LEGACY_GROUP):
             path = ("ssh", *path[2:])
-        pos = self.located.pos(path) if self.located is not None else None
-        return SpecIssue(self.file, pos.line if pos else 1, pos.col if pos else 1,
-                         ".".join(str(p) for p in path), message, fix)  # fmt: skip
+        if self.located is None:
+            return SpecIssue(self.file, 1, 1, ".".join(str(p) for p in path), message, fix)
+        return _issue_at(self.located, path, message, fix, ".".join(str(p) for p in path))
 
     @property
     def spec_dir(self) -> Path:
@@ -679,8 +679,15 @@ def _issue_from_pydantic(err: Mapping[str, Any], located: Located, legacy: bool)
         fix = f"use {ctx.get('expected', 'one of the allowed values')}"
     else:
         fix = _TYPE_FIX.get(kind, "see `nodeops schema` for the expected shape")
-    pos = located.pos(loc)
-    return SpecIssue(located.file, pos.line, pos.col, _field_str(loc), message, fix)
+    return _issue_at(located, loc, message, fix)
+
+
+def _issue_at(located: Located, loc: tuple[str | int, ...], message: str, fix: str, name: str = "",
+              severity: Literal["error", "warning"] = "error") -> SpecIssue:  # fmt: skip
+    """An issue at a path: file, line and field name as the data's source knows them (a spec
+    file, or for an Ansible inventory the file and variable each value came from)."""
+    file, pos, label = located.where(loc)
+    return SpecIssue(file, pos.line, pos.col, label or name or _field_str(loc), message, fix, severity)
 
 
 def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[SpecIssue]:
@@ -688,9 +695,7 @@ def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[S
     issues: list[SpecIssue] = []
 
     def add(loc: tuple[str | int, ...], message: str, fix: str) -> None:
-        loc = _display(loc, legacy)
-        pos = located.pos(loc)
-        issues.append(SpecIssue(located.file, pos.line, pos.col, _field_str(loc), message, fix))
+        issues.append(_issue_at(located, _display(loc, legacy), message, fix))
 
     nodes_raw = raw.get("nodes")
     if not isinstance(nodes_raw, list):
@@ -771,18 +776,8 @@ def _warnings(spec: ResourceSpec, located: Located, legacy: bool) -> list[SpecIs
             value = getattr(group, key)
             if value is not None and not Path(os.path.expanduser(value)).is_file():
                 loc = _display(("ssh", name, key), legacy)
-                pos = located.pos(loc)
-                out.append(
-                    SpecIssue(
-                        located.file,
-                        pos.line,
-                        pos.col,
-                        _field_str(loc),
-                        f"{value} does not exist on this machine",
-                        "create it, or fix the path before `setup`",
-                        severity="warning",
-                    )
-                )
+                out.append(_issue_at(located, loc, f"{value} does not exist on this machine",
+                                     "create it, or fix the path before `setup`", severity="warning"))  # fmt: skip
     return out
 
 
@@ -833,12 +828,21 @@ def _syntax_issue(e: YamlSyntaxError) -> SpecError:
     return SpecError([SpecIssue(e.file, e.pos.line, e.pos.col, "<yaml>", e.message, e.fix)])
 
 
-def load_spec(path: str | Path) -> LoadedSpec:
-    """Load and validate a spec file. Raises :class:`SpecError` (exit 2) on any problem."""
+def load_spec(path: str | Path, group: str | None = None) -> LoadedSpec:
+    """Load and validate a spec file, or an Ansible inventory source (detected by content; its
+    hosts of ``group``, default all). Raises :class:`SpecError` (exit 2) on any problem."""
+    from nodeops import inventory_source
+
     p = Path(path)
     if not p.is_file():
         what = "is a directory, not a spec file" if p.is_dir() else "no such file"
         raise SpecError([SpecIssue(str(p), 1, 1, "<file>", what, "give the path of a spec YAML file")])
+    if inventory_source.looks_like_inventory(p):
+        loaded: LoadedSpec = inventory_source.load_inventory(p, group)
+        return loaded
+    if group is not None:
+        raise SpecError([SpecIssue("--group", 0, 0, "--group", f"{p} is a resource spec, not an Ansible inventory",
+                                   "use --group only with an inventory source")])  # fmt: skip
     try:
         return validate_located(load_file(p))
     except YamlSyntaxError as e:

@@ -48,6 +48,20 @@ class Located:
                 return self.values[p]
         return Pos(1, 1)
 
+    # Data that did not come from one YAML file (an Ansible inventory and its group_vars/host_vars):
+    # the file each path came from, and how to name it to the user ("node2: ansible_port").
+    files: dict[Path_, str] = field(default_factory=dict)
+    labels: dict[Path_, str] = field(default_factory=dict)
+
+    def where(self, path: Path_) -> tuple[str, Pos, str | None]:
+        """(file, position, label) for an error at ``path``: the nearest recorded ancestor's."""
+        for i in range(len(path), -1, -1):
+            p = tuple(path[:i])
+            if p in self.keys or p in self.values or p in self.labels:
+                pos = self.keys.get(p) or self.values.get(p) or Pos(0, 0)
+                return self.files.get(p, self.file), pos, self.labels.get(p)
+        return self.file, Pos(1, 1), None
+
 
 class YamlSyntaxError(ValueError):
     def __init__(self, file: str, pos: Pos, message: str, fix: str = "fix the YAML syntax") -> None:

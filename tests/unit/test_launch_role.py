@@ -20,6 +20,7 @@ import pytest
 
 from nodeops import jobs, launchers, starter
 from nodeops.cli.launch_cmds import supervised_hosts
+from nodeops.errors import NodeopsError
 from nodeops.quoting import ansible_yaml
 from nodeops.render import ssh_args_options, ssh_target_from_record
 from nodeops.resources import collections_path, data_dir
@@ -149,6 +150,11 @@ def test_the_filter_puts_the_chosen_chief_first_and_activates_the_venv() -> None
     ({"argv": []}, {}, "launch_argv: empty"),
     ({}, {"b": {"launch_nproc_per_node": 0}}, "b: launch_nproc_per_node: 0; at least 1"),
     ({"run_id": "x;rm"}, {}, "launch_run_id: 'x;rm' is not like"),
+    ({"argv": "train.py"}, {}, "launch_argv: must be a list of the script's words"),  # -e launch_argv=train.py
+    ({"forward_env": "NCCL_DEBUG"}, {}, "launch_forward_env: must be a list of variable names"),
+    ({"env": "FOO=1"}, {}, "launch_env: must be a mapping of NAME: value"),
+    ({}, {"b": {"ansible_host": "-oProxyCommand=x"}}, "b: ansible_host '-oProxyCommand=x': a host name or address"),
+    ({"argv": ["t.py", "@@HOME@@/x"]}, {}, "launch_argv: @@HOME@@ is reserved"),
 ])  # fmt: skip
 def test_the_filter_names_the_variable_that_is_wrong(
     kw: dict[str, Any], hostvars: dict[str, Any], message: str
@@ -168,9 +174,9 @@ def test_ssh_args_in_an_inventory_become_the_runs_ssh_config(tmp_path: Path) -> 
     assert opts == {"userknownhostsfile": "/k/known", "stricthostkeychecking": "no", "proxyjump": "jump@j:2222",
                     "port": "7"}  # fmt: skip
     conn = {"address": "10.1.0.5", "port": 2200, "user": "ml", "key_file": "/keys/id ed", "ssh_args":
-            "-o UserKnownHostsFile=/k/known -o StrictHostKeyChecking=no -J jump@j:2222"}  # fmt: skip
+            "-o UserKnownHostsFile=/k/known -o StrictHostKeyChecking=accept-new -J jump@j:2222"}  # fmt: skip
     t = ssh_target_from_record("node1", conn)
-    assert t.host_key_checking == "accept-new"  # never "no"
+    assert t.host_key_checking == "accept-new"
     d = tmp_path / RUN_ID
     d.mkdir()
     jobs.write_ssh_config(d, {"node1": conn})
@@ -181,3 +187,21 @@ def test_ssh_args_in_an_inventory_become_the_runs_ssh_config(tmp_path: Path) -> 
     assert got["userknownhostsfile"] == "/k/known" and got["proxyjump"] == "jump@j:2222"
     assert got["stricthostkeychecking"] == "accept-new"
     assert "/keys/id ed" in g
+
+
+def test_host_key_checking_switched_off_in_the_inventory_pins_on_first_use_instead(tmp_path: Path) -> None:
+    """`-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null` would accept every key on every
+    connection; the run's ssh_config keeps the keys it first saw in the record's own file."""
+    d = tmp_path / RUN_ID
+    d.mkdir()
+    conn = {"address": "10.1.0.5", "ssh_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"}
+    jobs.write_ssh_config(d, {"node1": conn})
+    g = subprocess.run(["ssh", "-G", "-F", str(d / "ssh_config"), "node1"], capture_output=True, text=True,
+                       check=True).stdout  # fmt: skip
+    got = dict(line.split(" ", 1) for line in g.splitlines() if " " in line)
+    assert got["stricthostkeychecking"] == "accept-new"
+    assert got["userknownhostsfile"] == str(d / "known_hosts")
+    spaced = ssh_target_from_record("n", {"ssh_args": "-o 'UserKnownHostsFile=/tmp/my dir/kh'"})
+    assert spaced.known_hosts == "/tmp/my dir/kh" and spaced.host_key_checking == "yes"
+    with pytest.raises(NodeopsError, match="cannot be split"):
+        ssh_target_from_record("n", {"ssh_args": "-o 'UserKnownHostsFile=/x"})

@@ -50,6 +50,23 @@ typer.core.TyperArgument._usage_display_name = _usage_name  # type: ignore[metho
 EPILOG = "Exit codes: 0 ok; 1 a host or check failed; 2 bad spec, hostfile or usage (nothing was run); 130 interrupted."
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
+SpecArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Resource spec (AutoDist YAML, extended), or an Ansible inventory source (YAML, INI, TOML, "
+        "an executable script or a plugin config), told apart by content.",
+        show_default=False,
+    ),
+]
+GroupOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--group",
+        help="With an Ansible inventory: the group whose hosts are the cluster (default: all).",
+        show_default=False,
+    ),
+]
+
 app = typer.Typer(
     name="nodeops",
     help="Prepare GPU machines and launch multi-node PyTorch training on them, from one resource spec.",

@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nodeops.cli.app import CONTEXT, app, err, errors
+from nodeops.cli.app import CONTEXT, GroupOpt, SpecArg, app, err, errors
 
 if TYPE_CHECKING:
     from nodeops.check import Report
@@ -78,10 +77,11 @@ def json_errors(enabled: bool) -> Iterator[None]:
     ),
 )
 def check(
-    spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
+    spec: SpecArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Warnings fail the check too.")] = False,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for each node's probe.")] = 120,
+    group: GroupOpt = None,
 ) -> None:
     """Preflight from the chief: what makes multi-node jobs hang, checked on every node at once.
 
@@ -98,7 +98,7 @@ def check(
     from nodeops.spec import load_spec
 
     with errors(), json_errors(as_json):
-        loaded = load_spec(spec)
+        loaded = load_spec(spec, group)
         require_controller_files(loaded)
         err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
         result = chk.run(loaded, timeout=timeout)

@@ -9,13 +9,12 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperCommand
 
-from nodeops.cli.app import CONTEXT, app, err, errors, fail
+from nodeops.cli.app import CONTEXT, GroupOpt, SpecArg, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
 
 if TYPE_CHECKING:
@@ -72,7 +71,7 @@ class ScriptCommand(TyperCommand):
 )
 def launch(
     ctx: typer.Context,
-    spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
+    spec: SpecArg,
     script: Annotated[
         str | None, typer.Option(help="A bash script (in the workdir) that calls $NODEOPS_RUNNER train.py ...")
     ] = None,
@@ -104,6 +103,7 @@ def launch(
             "shared_path role; outputs on the nodes are kept).",
         ),
     ] = False,
+    group: GroupOpt = None,
 ) -> None:
     """Start training on every host: torchrun per host, or mpirun/deepspeed from the chief.
 
@@ -123,7 +123,7 @@ def launch(
     if user_argv[:1] == ["--"]:
         user_argv = user_argv[1:]
     with errors():
-        loaded = load_spec(spec)
+        loaded = load_spec(spec, group)
         require_controller_files(loaded)
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
@@ -381,9 +381,10 @@ def preflight(loaded: LoadedSpec, script: str | None = None) -> None:
 
 @app.command("runner-prefix", epilog="Example:\n\n    nodeops runner-prefix cluster.yaml --host node2")
 def runner_prefix(
-    spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
+    spec: SpecArg,
     host: Annotated[str, typer.Option(help="Host name or address from the spec.")],
     run_id: Annotated[str, typer.Option(help="Rendezvous id for c10d.")] = "nodeops",
+    group: GroupOpt = None,
 ) -> None:
     """Print the torchrun launcher prefix for one host (madengine's MAD_MULTI_NODE_RUNNER style).
 
@@ -395,7 +396,7 @@ def runner_prefix(
     from nodeops.spec import load_spec
 
     with errors():
-        s = load_spec(spec).spec
+        s = load_spec(spec, group).spec
         node = next((n for n in s.nodes if host in (n.address, n.name)), None)
         if node is None:
             names = ", ".join(s.alias(n) for n in s.nodes)

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import threading
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nodeops.cli.app import app, err, errors, fail
+from nodeops.cli.app import GroupOpt, SpecArg, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
 
 if TYPE_CHECKING:
@@ -92,7 +91,7 @@ def check_targets(tags: list[str]) -> None:
     )
 )
 def setup(
-    spec: Annotated[Path, typer.Argument(help="Resource spec.", show_default=False)],
+    spec: SpecArg,
     check: Annotated[
         bool, typer.Option("--check", help="Dry run: report what would change (Ansible check mode).")
     ] = False,
@@ -110,6 +109,7 @@ def setup(
         ),
     ] = None,
     verbose: Annotated[int, typer.Option("-v", count=True, help="Ansible verbosity (repeat for more).")] = 0,
+    group: GroupOpt = None,
 ) -> None:
     """Prepare every node: ssh mesh, Python env, shared workdir, NCCL/Gloo env, DeepSpeed files.
 
@@ -125,7 +125,7 @@ def setup(
     from nodeops.spec import load_spec
 
     with errors():
-        loaded = load_spec(spec)
+        loaded = load_spec(spec, group)
         for w in loaded.warnings:
             err(str(w))
         by_name = {loaded.spec.alias(n): n.address for n in loaded.spec.ranked_nodes()}

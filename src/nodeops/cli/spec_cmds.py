@@ -1,4 +1,4 @@
-"""Spec commands: validate, render, schema, import-hostfile. None of them touches a host."""
+"""Spec commands: validate, render, schema, import-hostfile, import-inventory. None of them touches a host."""
 
 from __future__ import annotations
 
@@ -10,15 +10,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nodeops.cli.app import app, err, errors, fail, make_dir, read_text_file, write_file
+from nodeops.cli.app import GroupOpt, SpecArg, app, err, errors, fail, make_dir, read_text_file, write_file
 from nodeops.errors import EXIT_SPEC
 
 if TYPE_CHECKING:
     from nodeops.spec import LoadedSpec
-
-SpecArg = Annotated[
-    Path, typer.Argument(help="Resource spec (AutoDist YAML, optionally extended).", show_default=False)
-]
 
 
 def _print_warnings(loaded: LoadedSpec) -> None:
@@ -32,6 +28,7 @@ def _print_warnings(loaded: LoadedSpec) -> None:
 def validate(
     spec: SpecArg,
     as_json: Annotated[bool, typer.Option("--json", help="Print problems as JSON on stdout.")] = False,
+    group: GroupOpt = None,
 ) -> None:
     """Check a spec and report every problem at once as `file:line:col: field: problem (fix: ...)`.
 
@@ -43,7 +40,7 @@ def validate(
 
     if as_json:
         try:
-            loaded = load_spec(spec)
+            loaded = load_spec(spec, group)
             issues, ok = [*loaded.warnings, *controller_issues(loaded, os.environ, "warning")], True
         except SpecError as e:
             issues, ok = e.issues, False
@@ -61,7 +58,7 @@ def validate(
         )
         raise typer.Exit(0 if ok else EXIT_SPEC)
     with errors():
-        loaded = load_spec(spec)
+        loaded = load_spec(spec, group)
         _print_warnings(loaded)
         # valid, but this machine lacks something setup/launch will need: said now, with its line
         for issue in controller_issues(loaded, os.environ, "warning"):
@@ -80,6 +77,7 @@ def validate(
 def render(
     spec: SpecArg,
     out: Annotated[Path, typer.Option("-o", "--out", help="Directory to write into (created if missing).")],
+    group: GroupOpt = None,
 ) -> None:
     """Write the Ansible inventory, ssh_config, DeepSpeed hostfile and .deepspeed_env for a spec.
 
@@ -90,7 +88,7 @@ def render(
     from nodeops.spec import load_spec
 
     with errors():
-        loaded = load_spec(spec)
+        loaded = load_spec(spec, group)
         _print_warnings(loaded)
         rendered = do_render(loaded, os.environ)
         if out.exists() and not out.is_dir():
@@ -152,6 +150,43 @@ def import_hostfile(
         )
         for w in warnings:
             err(f"warning: {w}")
+        if out is None:
+            sys.stdout.write(text)
+        else:
+            write_file(out, text)
+            typer.echo(f"wrote {out}", err=True)
+
+
+@app.command(
+    "import-inventory",
+    epilog=(
+        "Examples:\n\n    nodeops import-inventory inventory.yml -o cluster.yaml\n\n"
+        "    nodeops import-inventory aws_ec2.yml --group gpu_nodes -o cluster.yaml"
+    ),
+)
+def import_inventory(
+    source: Annotated[
+        Path,
+        typer.Argument(help="Ansible inventory: YAML, INI, TOML, a script or a plugin config.", show_default=False),
+    ],
+    group: GroupOpt = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Spec file to write (default: stdout).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite OUT if it exists.")] = False,
+) -> None:
+    """Write the resource spec equivalent to an Ansible inventory (every command also takes the
+    inventory itself; this gives a spec to edit and keep).
+
+    Read by Ansible's own inventory code (group_vars/ and host_vars/ beside it included); the
+    mapping is the README's table. Nothing is contacted except what a dynamic inventory queries.
+    """
+    from nodeops import inventory_source
+
+    with errors():
+        if out is not None and out.exists() and not force:
+            fail(f"error: {out} exists; pass --force to overwrite it", EXIT_SPEC)
+        if not source.is_file():
+            fail(f"error: {source}: no such file", EXIT_SPEC)
+        text = inventory_source.spec_text(source, group)
         if out is None:
             sys.stdout.write(text)
         else:
