@@ -163,7 +163,8 @@ def _ifname_matches(dev: str, setting: str) -> bool:
     return not hit if exclude else hit
 
 
-def evaluate(spec: ResourceSpec, result: dict[str, Any], *, fast: bool = False) -> Report:
+def evaluate(spec: ResourceSpec, result: dict[str, Any], *, fast: bool = False,
+             auto_gpus: dict[str, list[int]] | None = None) -> Report:  # fmt: skip
     """Pure: the chief's JSON (or a chief-unreachable stand-in) -> rows."""
     hosts = [spec.alias(n) for n in spec.ranked_nodes()]
     chief = spec.alias(spec.chief)
@@ -195,7 +196,7 @@ def evaluate(spec: ResourceSpec, result: dict[str, Any], *, fast: bool = False) 
     for node in spec.ranked_nodes():
         h = spec.alias(node)
         if h in facts_by_host:
-            rows += _node_rows(spec, node, h, facts_by_host[h], listeners, fast, values)
+            rows += _node_rows(spec, node, h, facts_by_host[h], listeners, fast, values, auto_gpus)
     rows += _parity_rows(chief, facts_by_host, values, fast)
     order = {h: i for i, h in enumerate(hosts)}
     rows.sort(key=lambda r: order.get(r.host, 0))  # stable: per host, checks in the order made
@@ -204,7 +205,7 @@ def evaluate(spec: ResourceSpec, result: dict[str, Any], *, fast: bool = False) 
 
 def _node_rows(
     spec: ResourceSpec, node: Any, h: str, f: dict[str, Any], listeners: dict[str, Any], fast: bool,
-    values: dict[str, dict[str, str]],
+    values: dict[str, dict[str, str]], auto_gpus: dict[str, list[int]] | None = None,
 ) -> list[Row]:  # fmt: skip
     rows: list[Row] = []
     chief_addr = spec.chief.address
@@ -253,7 +254,7 @@ def _node_rows(
         status = WARN if abs(off) > CLOCK_WARN_S else OK
         rows.append(Row(h, "clock", status, f"offset to the chief {off * 1000:+.1f} ms"
                                              + ("; sync clocks (chrony/ntp)" if status == WARN else "")))  # fmt: skip
-    rows.append(_gpu_row(node, h, f, env, v))
+    rows.append(_gpu_row(node, h, f, env, v, auto_gpus))
     soft = (env.get("nofile") or f.get("nofile") or [0, 0])[0]  # as a job gets it (env.sh may raise it)
     rows.append(Row(h, "ulimit -n", WARN if soft < NOFILE_WARN else OK,
                     f"{soft}" + (f" (< {NOFILE_WARN}; DataLoader workers and NCCL can run out)" if soft < NOFILE_WARN
@@ -299,12 +300,21 @@ def _workdir_rows(spec: ResourceSpec, h: str, f: dict[str, Any], v: dict[str, st
     return rows
 
 
-def _gpu_row(node: Any, h: str, f: dict[str, Any], env: dict[str, Any], v: dict[str, str]) -> Row:
+def _gpu_row(node: Any, h: str, f: dict[str, Any], env: dict[str, Any], v: dict[str, str],
+             auto_gpus: dict[str, list[int]] | None = None) -> Row:  # fmt: skip
     smi = f.get("nvidia_smi") or {}
     gpus = smi.get("gpus", [])
     if gpus:
         v["driver"] = shown(gpus[0].get("driver"))
-    want = list(node.gpus)
+    want = list(node.gpus) if isinstance(node.gpus, list) else []
+    if node.gpus == "auto" or (auto_gpus is not None and h in auto_gpus and not want):
+        # gpus: auto that setup has not discovered, or discovered none: 1 process, said plainly
+        if node.gpus == "auto":
+            return Row(h, "gpus", WARN, f"gpus: auto not discovered yet (run setup); counts 1 process for now "
+                                        f"({len(gpus)} visible now)")  # fmt: skip
+        return Row(h, "gpus", OK if not gpus else WARN,
+                   "gpus: auto: no NVIDIA GPU found at setup; runs 1 process" if not gpus else
+                   f"gpus: auto: none found at setup, but {len(gpus)} visible now: run setup again")  # fmt: skip
     if not want:
         return Row(h, "gpus", OK, f"none in the spec ({len(gpus)} visible)" if gpus else "none in the spec")
     if smi.get("rc") == 127:

@@ -107,7 +107,7 @@ def host_vars(spec: ResourceSpec, node: Node, rank: int, spec_dir: Path) -> dict
     hv.update(
         {
             "nodeops_node_rank": rank,
-            "nodeops_gpus": list(node.gpus),
+            "nodeops_gpus": list(node.gpus) if isinstance(node.gpus, list) else node.gpus,
             "nodeops_nproc": spec.nproc(node),
             "nodeops_python_activate": activation(spec, node),
             "nodeops_shared_envs": dict(group.shared_envs),

@@ -247,7 +247,11 @@ class Node(_Model):
     """One machine. ``address`` must be reachable from every other node."""
 
     address: str = Field(description="IP or DNS name the other nodes use to reach this one.")
-    gpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="GPU ids to use.")
+    gpus: list[Annotated[int, Field(ge=0)]] | Literal["auto"] = Field(
+        default_factory=list,
+        description="GPU ids to use; 'auto': the ones nvidia-smi lists on the node (`setup` discovers them; "
+        "a node without NVIDIA GPUs runs 1 process).",
+    )
     cpus: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, description="AutoDist: CPU device ids.")
     chief: bool = Field(False, description="Rank-0 node (MASTER_ADDR). Exactly one when there are several nodes.")
     ssh_config: str | None = Field(None, description="Name of the ssh group this node uses.")
@@ -272,7 +276,9 @@ class Node(_Model):
 
     @field_validator("gpus", "cpus")
     @classmethod
-    def _unique_ids(cls, v: list[int]) -> list[int]:
+    def _unique_ids(cls, v: list[int] | str) -> list[int] | str:
+        if isinstance(v, str):
+            return v
         dup = sorted({x for x in v if v.count(x) > 1})
         if dup:
             raise _err(f"device ids {dup} are listed more than once", "list each device id once")
@@ -554,7 +560,7 @@ class ResourceSpec(_Model):
             return node.nproc
         if self.launch.nproc_per_node is not None:
             return self.launch.nproc_per_node
-        return len(node.gpus) or 1
+        return (len(node.gpus) if isinstance(node.gpus, list) else 0) or 1  # gpus: auto before discovery: 1
 
     def alias(self, node: Node) -> str:
         return node.name or node.address
@@ -568,6 +574,8 @@ class LoadedSpec:
     warnings: list[SpecIssue] = field(default_factory=list)
     located: Located | None = field(default=None, repr=False)  # positions, for errors found after loading
     legacy: bool = False
+    # gpus: auto, once resolved (nodeops.gpus): each such node's GPU ids as setup discovered them
+    discovered_gpus: dict[str, list[int]] | None = None
 
     def issue(self, path: tuple[str | int, ...], message: str, fix: str) -> SpecIssue:
         """An error at a field of the loaded file (``path`` as in the model), with its line."""
@@ -657,6 +665,40 @@ _TYPE_FIX = {
     "too_short": "add at least one entry",
     "frozen_instance": "",
 }
+
+
+_BRANCH = re.compile(r"^(list|literal)\[.*\]$")  # pydantic's names for the members of `list[...] | Literal[...]`
+
+
+def _without_union_branches(errors: list[Any]) -> list[Any]:
+    """``gpus: list[int] | Literal["auto"]`` fails in both branches: report it once, at the value
+    as written. A list with a bad element keeps the list branch's error (``gpus[1]``); anything
+    else (``gpus: two``) becomes one error saying what the field takes."""
+
+    def split(err: Any) -> tuple[int | None, tuple[Any, ...]]:
+        loc = tuple(err["loc"])
+        i = next((i for i, p in enumerate(loc) if isinstance(p, str) and _BRANCH.match(p)), None)
+        return i, loc
+
+    elements = set()  # fields whose value was a list with a bad element
+    for err in errors:
+        i, loc = split(err)
+        if i is not None and str(loc[i]).startswith("list") and len(loc) > i + 1:
+            elements.add(loc[:i])
+    out, seen = [], set()
+    for err in errors:
+        i, loc = split(err)
+        if i is None:
+            out.append(err)
+        elif loc[:i] in elements:
+            if str(loc[i]).startswith("list") and len(loc) > i + 1:
+                out.append({**err, "loc": loc[:i] + loc[i + 1 :]})
+        elif loc[:i] not in seen:
+            seen.add(loc[:i])
+            fix = "write e.g. [0, 1], or auto (setup discovers them)"
+            out.append({**err, "loc": loc[:i], "type": "nodeops", "ctx": {"fix": fix},
+                        "msg": f"{err.get('input')!r} is not a list of GPU ids or 'auto'"})  # fmt: skip
+    return out
 
 
 def _issue_from_pydantic(err: Mapping[str, Any], located: Located, legacy: bool) -> SpecIssue:
@@ -815,7 +857,7 @@ def validate_located(located: Located) -> LoadedSpec:
     try:
         spec = ResourceSpec.model_validate(data)
     except ValidationError as e:
-        issues.extend(_issue_from_pydantic(err, located, legacy) for err in e.errors())
+        issues.extend(_issue_from_pydantic(err, located, legacy) for err in _without_union_branches(e.errors()))
     issues.extend(_cross_checks(data, located, legacy))
     if issues or spec is None:
         issues.sort(key=lambda i: (i.line, i.col))

@@ -1,6 +1,8 @@
 """Issue 14: `setup`, `check` and `launch` from an Ansible inventory instead of a spec, on the
 sandbox: the inventory the sandbox writes of itself (plus a `nodeops` var with the project's
-sections), and an executable dynamic-inventory script printing the same hosts as JSON."""
+sections and `nodeops_gpus: auto`), and an executable dynamic-inventory script printing the same
+hosts as JSON. The sandbox nodes have no NVIDIA GPU: discovery finds none and each runs 1 process
+(the live path with GPUs is untested here)."""
 
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def project_inventory(sb: sandbox.Sandbox, project: Path, path: Path) -> Path:
     sections = {k: spec[k] for k in ("name", "env", "python", "network") if k in spec}
     sections["workdir"] = {**spec["workdir"], "source": str(project)}  # a spec's default source is its own dir
     inv["all"]["vars"]["nodeops"] = sections
+    inv["all"]["vars"]["nodeops_gpus"] = "auto"  # setup asks nvidia-smi; the sandbox nodes have none
     path.write_text(yaml.safe_dump(inv, sort_keys=False))
     return path
 
@@ -54,8 +57,11 @@ def test_setup_check_launch_from_the_sandbox_inventory_and_a_dynamic_script(
 
     setup = cli("setup", inv)
     assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+    assert ("gpus: auto: node1: no NVIDIA GPU, 1 process, node2: no NVIDIA GPU, 1 process, node3: no NVIDIA GPU, "
+            "1 process") in setup.stderr  # fmt: skip
     check = cli("check", inv)
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-3000:]
+    assert check.stdout.count("no NVIDIA GPU found at setup") == 3, check.stdout
     p = cli("launch", inv, "--", "ddp_train.py", "--steps", "3", timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     hashes = ddp_hashes(p.stdout)

@@ -94,15 +94,16 @@ def check(
     differ from the chief's fail and are shown side by side.
     """
     from nodeops import check as chk
+    from nodeops import gpus
     from nodeops.render import require_controller_files
     from nodeops.spec import load_spec
 
     with errors(), json_errors(as_json):
-        loaded = load_spec(spec, group)
+        loaded = gpus.resolved(load_spec(spec, group), required=False)  # gpus: auto, as setup found them
         require_controller_files(loaded)
         err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
         result = chk.run(loaded, timeout=timeout)
-        report = chk.evaluate(loaded.spec, result)
+        report = chk.evaluate(loaded.spec, result, auto_gpus=loaded.discovered_gpus)
     if as_json:
         typer.echo(json.dumps(report.to_json(strict), indent=2))
     else:

@@ -113,7 +113,7 @@ def launch(
     host is named with its last lines. Ctrl-C stops everything and exits 130. Options before
     the script are nodeops'; the script and every argument after it reach the script literally.
     """
-    from nodeops import _launch_plan, jobs, launchers, starter
+    from nodeops import _launch_plan, gpus, jobs, launchers, starter
     from nodeops.cli.jobs_cmds import emitter
     from nodeops.render import inventory, require_controller_files, ssh_config
     from nodeops.runner import run_playbook
@@ -123,7 +123,7 @@ def launch(
     if user_argv[:1] == ["--"]:
         user_argv = user_argv[1:]
     with errors():
-        loaded = load_spec(spec, group)
+        loaded = gpus.resolved(load_spec(spec, group), required=not dry_run)  # gpus: auto, as setup found them
         require_controller_files(loaded)
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
@@ -369,7 +369,12 @@ def preflight(loaded: LoadedSpec, script: str | None = None) -> None:
     from nodeops import check
 
     t0 = time.monotonic()
-    report = check.evaluate(loaded.spec, check.run(loaded, fast=True, timeout=60, script=script), fast=True)
+    report = check.evaluate(
+        loaded.spec,
+        check.run(loaded, fast=True, timeout=60, script=script),
+        fast=True,
+        auto_gpus=loaded.discovered_gpus,
+    )
     failed = [r for r in report.rows if r.status == "fail"]
     if failed:
         for r in failed:
@@ -392,11 +397,12 @@ def runner_prefix(
     """
     import shlex
 
+    from nodeops import gpus
     from nodeops.launchers import runner_prefix as prefix
     from nodeops.spec import load_spec
 
     with errors():
-        s = load_spec(spec, group).spec
+        s = gpus.resolved(load_spec(spec, group)).spec
         node = next((n for n in s.nodes if host in (n.address, n.name)), None)
         if node is None:
             names = ", ".join(s.alias(n) for n in s.nodes)

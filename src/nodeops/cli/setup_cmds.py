@@ -120,6 +120,7 @@ def setup(
     from rich.console import Console
     from rich.live import Live
 
+    from nodeops import gpus
     from nodeops.render import inventory, require_controller_files, resolve_secrets
     from nodeops.runner import run_playbook
     from nodeops.spec import load_spec
@@ -134,6 +135,12 @@ def setup(
         check_targets(tag_list)
         limited = resolve_limit(by_name, limit)
         require_controller_files(loaded, os.environ)
+        if gpus.auto_nodes(loaded):  # before rendering: the hostfile's slots and nodeops_gpus need them
+            loaded, found = gpus.setup_discover(loaded, limited or None)
+            if found:
+                said = [f"{h}: {len(ids)} GPU(s)" if ids else f"{h}: no NVIDIA GPU, 1 process"
+                        for h, ids in found.items()]  # fmt: skip
+                err("==> gpus: auto: " + ", ".join(said))
         inv = inventory(loaded, os.environ)
         chief = hosts[0]
         if limited and chief not in limited and (not tag_list or "ssh_mesh" in tag_list):

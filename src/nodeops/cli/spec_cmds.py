@@ -84,11 +84,12 @@ def render(
     Output is deterministic. Only these files in OUT are written; nothing else is touched,
     and no host is contacted. Secret env values are never written.
     """
+    from nodeops import gpus
     from nodeops.render import render as do_render
     from nodeops.spec import load_spec
 
     with errors():
-        loaded = load_spec(spec, group)
+        loaded = gpus.resolved(load_spec(spec, group), required=False)  # gpus: auto, as the last setup found them
         _print_warnings(loaded)
         rendered = do_render(loaded, os.environ)
         if out.exists() and not out.is_dir():
