@@ -152,12 +152,13 @@ def launch(
         # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
         (local / "starting").write_text(f"{os.getpid()}\n")
         job.save()
-        err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
         t0 = time.monotonic()
-        run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner,
-                                             s.launch.max_restarts)  # fmt: skip
         try:
             with sigterm_as_interrupt():
+                # announced inside the block: a Ctrl-C right after this line still stops what started
+                err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
+                run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner,
+                                                     s.launch.max_restarts)  # fmt: skip
                 run = starter.run_vars(loaded, plan, run_id, run_config)
                 files = starter.files_from_vars(run)
                 if via == "ssh":
