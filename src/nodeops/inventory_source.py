@@ -16,6 +16,7 @@ import io
 import os
 import re
 import stat
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -129,6 +130,11 @@ def inventory_located(path: Path, group: str | None = None) -> tuple[Located, li
     def fail(message: str, fix: str, field: str = "<inventory>") -> SpecError:
         return SpecError([SpecIssue(file, 1, 1, field, message, fix)])
 
+    from ansible.plugins.loader import init_plugin_loader
+
+    with warnings.catch_warnings():  # "already configured" when the process has set it up before
+        warnings.simplefilter("ignore")
+        init_plugin_loader()  # the collection loader, as the ansible CLIs set it up: plugin configs need it
     loader = DataLoader()
     # group_vars/ and host_vars/ are read beside the inventory (its dir is also the base dir, as
     # a playbook's is for ansible-playbook), never beside wherever nodeops runs

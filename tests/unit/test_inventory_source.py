@@ -140,3 +140,32 @@ def test_render_then_import_gives_back_the_same_nodes(tmp_path: Path) -> None:
     assert nodes(back) == nodes(s)
     text = inventory_source.spec_text(inv)
     assert load_spec(write(tmp_path, "imported.yaml", text)).spec.nodes == back.nodes
+
+
+def test_toml_and_an_inventory_plugin_config(tmp_path: Path) -> None:
+    toml = write(tmp_path, "inv.toml", '[gpu.hosts]\nt1 = { ansible_host = "10.3.0.1", nodeops_gpus = 2 }\n'
+                 't2 = { ansible_host = "10.3.0.2", nodeops_gpus = 2 }\n')  # fmt: skip
+    assert [(n.name, n.gpus) for n in load_spec(toml).spec.nodes] == [("t1", [0, 1]), ("t2", [0, 1])]
+    # a plugin config, as aws_ec2.yml is (the generator plugin ships with ansible-core; cloud ones need
+    # their collection and credentials, untested here)
+    gen = write(tmp_path, "gen.yml", "plugin: ansible.builtin.generator\nhosts:\n  name: '{{ rack }}-{{ slot }}'\n"
+                "layers:\n  rack: [r1]\n  slot: [a, b]\n")  # fmt: skip
+    assert inventory_source.looks_like_inventory(gen)
+    assert [n.address for n in load_spec(gen).spec.ranked_nodes()] == ["r1-a", "r1-b"]
+
+
+def test_import_inventory_writes_a_spec_and_never_overwrites_without_force(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from nodeops.cli import app
+
+    inv = write(tmp_path, "hosts.ini", INI_INV)
+    out = tmp_path / "cluster.yaml"
+    r = CliRunner().invoke(app, ["import-inventory", str(inv), "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert [n.address for n in load_spec(out).spec.ranked_nodes()] == ["10.0.0.2", "10.0.0.1"]
+    out.write_text("mine\n")
+    r = CliRunner().invoke(app, ["import-inventory", str(inv), "-o", str(out)])
+    assert r.exit_code == 2 and "exists; pass --force" in r.output and out.read_text() == "mine\n"
+    r = CliRunner().invoke(app, ["import-inventory", str(inv), "-o", str(out), "--force"])
+    assert r.exit_code == 0 and out.read_text().startswith("# Resource spec imported")
