@@ -19,7 +19,9 @@ from pathlib import Path
 from nodeops.errors import NodeopsError, SpecError
 from nodeops.spec import LoadedSpec
 
-QUERY = "nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null || true"
+# 127: no nvidia-smi (no NVIDIA GPU or driver: 1 process); any other failure (a driver that does
+# not answer) is an error to fix, never "no GPU"
+QUERY = "command -v nvidia-smi >/dev/null 2>&1 || exit 127; nvidia-smi --query-gpu=index --format=csv,noheader 2>&1"
 
 
 class DiscoveryError(NodeopsError):
@@ -36,10 +38,10 @@ def record_path(loaded: LoadedSpec) -> Path:
     return base / "clusters" / loaded.cluster_name / "gpus.json"
 
 
-def parse(out: str) -> list[int]:
-    """nvidia-smi's index column (one per line); anything else (an error text) is no GPU."""
+def parse(out: str) -> list[int] | None:
+    """nvidia-smi's index column (one per line): the ids; None when it printed something else."""
     ids = [line.strip() for line in out.splitlines() if line.strip()]
-    return sorted(int(i) for i in ids) if ids and all(i.isdigit() for i in ids) else []
+    return sorted(int(i) for i in ids) if all(i.isdigit() for i in ids) else None
 
 
 def discover(loaded: LoadedSpec, ssh_config: Path, timeout: float = 60) -> dict[str, list[int]]:
@@ -52,7 +54,14 @@ def discover(loaded: LoadedSpec, ssh_config: Path, timeout: float = 60) -> dict[
                                check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
             return f"no answer within {timeout:.0f}s"
-        return parse(p.stdout) if p.returncode == 0 else last_line(p.stderr, f"ssh exit {p.returncode}")
+        if p.returncode == 127:
+            return []  # no nvidia-smi: no NVIDIA GPU here
+        ids = parse(p.stdout) if p.returncode == 0 else None
+        if ids is not None:
+            return ids
+        if p.returncode == 255:
+            return last_line(p.stderr, "ssh failed")
+        return f"nvidia-smi failed (exit {p.returncode}): {last_line(p.stdout + p.stderr, 'no output')}"
 
     found = fan_out(auto_nodes(loaded), one)
     bad = {h: r for h, r in found.items() if isinstance(r, str)}
@@ -86,15 +95,25 @@ def resolved(loaded: LoadedSpec, required: bool = True) -> LoadedSpec:
         return loaded
     p = record_path(loaded)
     try:
-        found = json.loads(p.read_text())
+        raw = json.loads(p.read_text())
     except (OSError, ValueError):
-        found = {}
+        raw = {}
+
+    def ids(v: object) -> bool:  # a hand-edited record: only lists of distinct non-negative ids count
+        return isinstance(v, list) and all(isinstance(i, int) and i >= 0 for i in v) and len(set(v)) == len(v)
+
+    found = {h: v for h, v in (raw.items() if isinstance(raw, dict) else []) if ids(v)}
     missing = [h for h in auto if h not in found]
     if missing and required:
         raise SpecError([loaded.issue(("nodes",), f"gpus: auto on {', '.join(missing)}: not discovered yet "
                                       f"(no record in {p})", "run `nodeops setup` first: it asks nvidia-smi on "
                                       "every node and records the GPUs")])  # fmt: skip
-    return resolve(loaded, {h: [int(i) for i in v] for h, v in found.items() if isinstance(v, list)})
+    out = resolve(loaded, found)
+    if missing:  # not required: said, and counted as 1 process
+        issue = loaded.issue(("nodes",), f"gpus: auto on {', '.join(missing)}: not discovered yet; counted as "
+                             "1 process here", "run `nodeops setup` (it asks nvidia-smi)")  # fmt: skip
+        out.warnings.append(dataclasses.replace(issue, severity="warning"))
+    return out
 
 
 def setup_discover(loaded: LoadedSpec, only: list[str] | None = None) -> tuple[LoadedSpec, dict[str, list[int]]]:
@@ -117,5 +136,5 @@ def setup_discover(loaded: LoadedSpec, only: list[str] | None = None) -> tuple[L
         old = json.loads(record_path(loaded).read_text())
     except (OSError, ValueError):
         old = {}
-    save(loaded, {**{h: v for h, v in old.items() if h in auto_nodes(loaded)}, **found})
+    save(loaded, {**old, **found})  # other hosts' entries stay (another --group or --limit may use them)
     return resolved(loaded, required=False), found

@@ -27,6 +27,9 @@ from nodeops.errors import SpecError, SpecIssue
 from nodeops.yamlpos import Located, Path_, Pos
 
 NODEOPS_VAR = "nodeops"
+MAX_GPUS = 64  # a count larger than any machine has is a typo, not a request
+# ssh options an inventory may hold that nodeops' own ssh_config would silently drop
+UNSUPPORTED_SSH = {"proxycommand", "user", "hostname", "identityagent", "certificatefile"}
 SECTIONS = ("name", "python", "workdir", "network", "mesh", "launch", "env")
 _ALIAS_BAD = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -48,13 +51,15 @@ def looks_like_inventory(path: Path) -> bool:
         if not re.search(r"^\s*\[[^\]]+\]\s*$", text, re.M):
             return False  # broken YAML, not INI/TOML-like: let the spec loader report it
     if isinstance(data, dict):
-        if "nodes" in data or set(data) & {"ssh", *SECTIONS}:
-            return False  # a spec (perhaps a broken one: the spec loader explains it)
+        if "nodes" in data:
+            return False
         if "plugin" in data:
             return True
         group_keys = {"hosts", "children", "vars"}
         groups = all(v is None or (isinstance(v, dict) and set(v) <= group_keys) for v in data.values())
-        return bool(data) and groups and any(isinstance(v, dict) and v for v in data.values())
+        return groups and any(isinstance(v, dict) and v for v in data.values())  # else a (broken) spec
+    if isinstance(data, str):
+        return True  # host lines of an INI inventory without sections (a spec is never a plain string)
     return data is None and bool(re.search(r"^\s*\[[^\]]+\]\s*$", text, re.M))
 
 
@@ -93,10 +98,15 @@ def _ssh_opts(hv: Mapping[str, Any]) -> dict[str, str]:
     from nodeops.render import ssh_args_options
 
     args = " ".join(str(hv.get(k) or "") for k in ("ansible_ssh_common_args", "ansible_ssh_extra_args"))
+    words = args.split()
+    if "-l" in words or any(w.startswith("-l") and len(w) > 2 and w[2:3].isalpha() for w in words):
+        extra = {"user": "-l"}
+    else:
+        extra = {}
     try:
-        return ssh_args_options(args)
-    except ValueError:  # unbalanced quotes: reported by validation of the fields it would give
-        return {}
+        return {**ssh_args_options(args), **extra}
+    except ValueError as e:  # unbalanced quotes
+        return {"_split_error": str(e)}
 
 
 def load_inventory(path: Path, group: str | None = None) -> Any:
@@ -170,15 +180,35 @@ def inventory_located(path: Path, group: str | None = None) -> tuple[Located, li
 
     hvs: dict[str, dict[str, Any]] = {}
     for h in hosts:
-        raw = vm.get_vars(host=h, include_hostvars=False)
+        try:
+            with _quiet():
+                raw = vm.get_vars(host=h, include_hostvars=False)
+        except AnsibleError as e:  # a broken group_vars/host_vars file
+            where = _origin(getattr(e, "obj", None))
+            mark = getattr(getattr(e, "orig_exc", None), "problem_mark", None)  # a YAML error: where it is
+            if where is None and mark is not None and str(getattr(mark, "name", "")).startswith("/"):
+                where = (str(mark.name), Pos(int(mark.line) + 1, int(mark.column) + 1))
+            wfile, wpos = where if where else (file, Pos(0, 0))
+            raise SpecError(
+                [
+                    SpecIssue(
+                        wfile,
+                        wpos.line,
+                        wpos.col,
+                        f"{h.name}: variables",
+                        f"Ansible could not read them: {e.message}",
+                        "fix that file",
+                    )
+                ]
+            ) from None
         with _quiet():
             templar = Templar(loader=loader, variables=raw)
             hv: dict[str, Any] = {}
             for k in raw:
                 if k.startswith("ansible_") or k.startswith(NODEOPS_VAR):
                     v = raw[k]
-                    try:
-                        hv[k] = templar.template(v) if isinstance(v, str) and "{" in v else v
+                    try:  # templated as Ansible would (a lookup in a value runs here, on the controller)
+                        hv[k] = templar.template(v) if "{{" in repr(_plain(v)) else v
                     except AnsibleError as e:
                         issues.append(_issue(file, v, f"{h.name}: {k}", f"cannot be templated: {e.message}",
                                              "fix the value (nodeops reads the inventory without facts)"))  # fmt: skip
@@ -213,7 +243,16 @@ def inventory_located(path: Path, group: str | None = None) -> tuple[Located, li
     # chief
     chief_group = [h.name for h in inv.get_hosts("chief")] if "chief" in inv.groups else []
     chief_group = [h for h in chief_group if h in hvs]
-    flagged = [h for h, hv in hvs.items() if _plain(hv.get("nodeops_chief")) is True]
+    flagged = []
+    for h, hv in hvs.items():
+        if hv.get("nodeops_chief") is None:
+            continue
+        flag = _bool(hv["nodeops_chief"])
+        if flag is None:
+            issues.append(_issue(file, hv["nodeops_chief"], f"{h}: nodeops_chief", f"{_plain(hv['nodeops_chief'])!r} "
+                                 "is not a boolean", "write true or false"))  # fmt: skip
+        elif flag:
+            flagged.append(h)
     if len(chief_group) > 1:
         issues.append(SpecIssue(file, 0, 0, "chief", f"group `chief` holds {len(chief_group)} hosts of "
                                 f"{group!r}: {', '.join(chief_group)}",
@@ -227,6 +266,29 @@ def inventory_located(path: Path, group: str | None = None) -> tuple[Located, li
     groups: dict[tuple[Any, ...], str] = {}
     for i, (name, hv) in enumerate(hvs.items()):
         opts = _ssh_opts(hv)
+        for legacy in ("host", "user", "port"):  # Ansible's older ansible_ssh_* spellings
+            if hv.get(f"ansible_{legacy}") is None and hv.get(f"ansible_ssh_{legacy}") is not None:
+                hv[f"ansible_{legacy}"] = hv[f"ansible_ssh_{legacy}"]
+        conn_kind = str(_plain(hv.get("ansible_connection") or "ssh"))
+        if conn_kind not in ("ssh", "smart", "paramiko", "paramiko_ssh", "ansible.builtin.ssh"):
+            issues.append(_issue(file, hv.get("ansible_connection"), f"{name}: ansible_connection",
+                                 f"{conn_kind!r}: nodeops reaches every host over ssh",
+                                 "leave this host out (--group), or give it an ssh connection"))  # fmt: skip
+        for bad in sorted(set(opts) & UNSUPPORTED_SSH):
+            issues.append(_issue(file, hv.get("ansible_ssh_common_args") or hv.get("ansible_ssh_extra_args"),
+                                 f"{name}: ansible_ssh_common_args", f"ssh option {bad!r} is not carried over "
+                                 "(nodeops writes its own ssh_config)", "use ansible_user / ProxyJump (-J) "
+                                 "instead, or a spec for this cluster"))  # fmt: skip
+        if "_split_error" in opts:
+            issues.append(
+                _issue(
+                    file,
+                    hv.get("ansible_ssh_common_args"),
+                    f"{name}: ansible_ssh_common_args",
+                    f"cannot be split like a shell line ({opts['_split_error']})",
+                    "balance the quotes",
+                )
+            )
         node: dict[str, Any] = {"address": _plain(hv.get("ansible_host") or name)}
         if hv.get("ansible_host"):
             record(("nodes", i, "address"), name, "ansible_host", hv.get("ansible_host"))
@@ -247,7 +309,11 @@ def inventory_located(path: Path, group: str | None = None) -> tuple[Located, li
                 record(("nodes", i, field_), name, var, hv[var])
         if gpus is not None:
             g = _plain(gpus)
-            node["gpus"] = list(range(g)) if isinstance(g, int) and not isinstance(g, bool) and g >= 0 else g
+            if isinstance(g, int) and not isinstance(g, bool) and not 0 <= g <= MAX_GPUS:
+                issues.append(_issue(file, gpus, f"{name}: nodeops_gpus", f"{g} GPUs on one host",
+                                     f"give a count from 0 to {MAX_GPUS}, a list of ids, or auto"))  # fmt: skip
+                g = []
+            node["gpus"] = list(range(g)) if isinstance(g, int) and not isinstance(g, bool) else g
             record(("nodes", i, "gpus"), name, "nodeops_gpus", gpus)
         else:
             node["cpus"] = [0]
@@ -294,6 +360,16 @@ def _issue(file: str, value: Any, field: str, message: str, fix: str) -> SpecIss
     return SpecIssue(o[0], o[1].line, o[1].col, field, message, fix)
 
 
+def _bool(value: Any) -> bool | None:
+    """Ansible's boolean reading (INI gives strings: true, yes, 1, on, ...); None when it is not one."""
+    from ansible.module_utils.parsing.convert_bool import boolean
+
+    try:
+        return bool(boolean(_plain(value), strict=True))
+    except TypeError:
+        return None
+
+
 def _abs(p: Any) -> str:
     """A controller path as Ansible uses it: relative to the current directory (``~`` is kept; the
     spec expands it)."""
@@ -318,8 +394,8 @@ def _record_tree(loc: Located, spath: Path_, value: Any, host: str, var: str) ->
 def spec_text(path: Path, group: str | None = None) -> str:
     """``nodeops import-inventory``: the inventory's hosts as a resource spec file (validated
     first, so what is written loads)."""
-    load_inventory(path, group)  # every problem, as for any command
-    located, _ = inventory_located(path, group)
+    loaded = load_inventory(path, group)  # every problem, as for any command (a script runs once)
+    located = loaded.located
     head = (f"# Resource spec imported by nodeops from the Ansible inventory {path}"
             + (f" (group {group})" if group else "") + ".\n")  # fmt: skip
     return head + yaml.safe_dump(located.data, sort_keys=False, default_flow_style=None, width=100)

@@ -169,3 +169,18 @@ def test_import_inventory_writes_a_spec_and_never_overwrites_without_force(tmp_p
     assert r.exit_code == 2 and "exists; pass --force" in r.output and out.read_text() == "mine\n"
     r = CliRunner().invoke(app, ["import-inventory", str(inv), "-o", str(out), "--force"])
     assert r.exit_code == 0 and out.read_text().startswith("# Resource spec imported")
+
+
+def test_ssh_settings_nodeops_cannot_carry_are_refused_not_dropped(tmp_path: Path) -> None:
+    inv = write(tmp_path, "a.ini", "[g]\nh1 ansible_host=10.0.0.1 nodeops_gpus=100000000 nodeops_chief=yes\n"
+                "h2 ansible_ssh_host=10.0.0.2 ansible_ssh_user=ml ansible_ssh_common_args='-o ProxyCommand=nc'\n"
+                "h3 ansible_host=10.0.0.3 ansible_connection=local nodeops_chief=maybe\n")  # fmt: skip
+    got = issues(inv)
+    assert any("h1: nodeops_gpus: 100000000 GPUs on one host" in i for i in got), got
+    assert any("h2: ansible_ssh_common_args: ssh option 'proxycommand' is not carried over" in i for i in got), got
+    assert any("h3: ansible_connection: 'local': nodeops reaches every host over ssh" in i for i in got), got
+    assert any("h3: nodeops_chief: 'maybe' is not a boolean" in i for i in got), got
+    ok = write(tmp_path, "b.ini", "h1 ansible_host=10.0.0.1\nh2 ansible_ssh_host=10.0.0.2 ansible_ssh_user=ml "
+               "ansible_ssh_port=2200 nodeops_chief=yes\n")  # fmt: skip
+    s = load_spec(ok).spec  # hosts without a section header; the ansible_ssh_* spellings; an INI boolean
+    assert s.chief.address == "10.0.0.2" and s.group(s.chief).username == "ml" and s.group(s.chief).port == 2200

@@ -129,6 +129,8 @@ def launch(
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
         s = loaded.spec
         if dry_run:
+            for w in loaded.warnings:
+                err(str(w))
             show_dry_run(loaded, user_argv, script, sync)
             return
         if sync:
