@@ -233,6 +233,12 @@ def inventory_located(path: Path, group: str | None = None) -> tuple[Located, li
             issues.append(_issue(file, value, f"{name}: {NODEOPS_VAR}",
                                  f"differs from {first_with}'s; nodeops settings are cluster-wide",
                                  "set `nodeops` once, in group_vars of the group (or all)"))  # fmt: skip
+    wd = _plain(sections.get("workdir"))
+    if isinstance(wd, dict) and wd.get("sync", "rsync") == "rsync" and not wd.get("source"):
+        # a spec's default source is its own directory; an inventory's would copy the infra repo
+        issues.append(_issue(file, sections["workdir"], f"{first_with}: {NODEOPS_VAR}.workdir.source",
+                             "required with an Ansible inventory (rsync copies it to every node)",
+                             "set it to your training project's directory on this machine"))  # fmt: skip
     for key, value in sections.items():
         data[key] = _plain(value)
         assert first_with is not None

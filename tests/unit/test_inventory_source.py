@@ -121,6 +121,8 @@ def test_group_and_source_errors_are_spec_errors(tmp_path: Path) -> None:
     assert any("no group 'gpus' in the inventory" in i for i in issues(inv, "gpus"))
     spec = write(tmp_path, "c.yaml", "nodes:\n  - {address: 10.0.0.1}\n")
     assert any("is a resource spec, not an Ansible inventory" in i for i in issues(spec, "all"))
+    nosrc = write(tmp_path, "w.yml", "all:\n  hosts:\n    a:\n  vars:\n    nodeops: {workdir: {path: /srv/w}}\n")
+    assert any("a: nodeops.workdir.source: required with an Ansible inventory" in i for i in issues(nosrc))
     differing = write(tmp_path, "d.yml", "all:\n  hosts:\n    a: {nodeops: {name: x}}\n    b: {nodeops: {name: y}}\n")
     assert any("b: nodeops: differs from a's" in i for i in issues(differing))
 
