@@ -73,6 +73,7 @@ def json_errors(enabled: bool) -> Iterator[None]:
     epilog=(
         "Examples:\n\n    nodeops check cluster.yaml\n\n    nodeops check cluster.yaml --json | jq .diff\n\n"
         "    nodeops check cluster.yaml --strict   # warnings fail too\n\n"
+        "    nodeops check inventory.ini --group gpu   # an Ansible inventory's group\n\n"
         "Exit codes: 0 everything ok (warnings allowed); 1 a check failed (or warned, with --strict); 2 bad spec."
     ),
 )

@@ -66,7 +66,8 @@ class ScriptCommand(TyperCommand):
         "Examples:\n\n    nodeops launch cluster.yaml train.py --lr 1e-3\n\n"
         "    nodeops launch --detach cluster.yaml -- train.py --lr 1e-3   # `--` is optional\n\n"
         "    nodeops launch cluster.yaml --script run.sh -- --epochs 2   # run.sh calls $NODEOPS_RUNNER train.py\n\n"
-        "    nodeops launch --dry-run cluster.yaml train.py   # each host's command, env and files; starts nothing"
+        "    nodeops launch --dry-run cluster.yaml train.py   # each host's command, env and files; starts nothing\n\n"
+        "    nodeops launch aws_ec2.yml --group gpu -- train.py   # an Ansible inventory (here a plugin config)"
     ),
 )
 def launch(

@@ -87,7 +87,8 @@ def check_targets(tags: list[str]) -> None:
 @app.command(
     epilog=(
         "Examples:\n\n    nodeops setup cluster.yaml\n\n    nodeops setup cluster.yaml --check --diff\n\n"
-        "    nodeops setup cluster.yaml --limit node2 --tags python_env"
+        "    nodeops setup cluster.yaml --limit node2 --tags python_env\n\n"
+        "    nodeops setup inventories/prod/hosts.yml --group gpu_nodes   # an Ansible inventory"
     )
 )
 def setup(
