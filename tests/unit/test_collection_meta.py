@@ -17,6 +17,7 @@ def test_galaxy_metadata_is_complete_and_versioned_with_the_package() -> None:
     assert (galaxy["namespace"], galaxy["name"]) == ("nodeops", "cluster")
     assert galaxy["version"] == nodeops.__version__  # one version for the wheel and the collection
     assert (ROOT / galaxy["readme"]).is_file()
+    assert "repository" not in galaxy or not str(galaxy["repository"]).endswith(".invalid/nodeops")  # real or none
     runtime = yaml.safe_load((ROOT / "meta" / "runtime.yml").read_text())
     assert runtime["requires_ansible"].startswith(">=")
 
