@@ -98,13 +98,8 @@ def _ssh_opts(hv: Mapping[str, Any]) -> dict[str, str]:
     from nodeops.render import ssh_args_options
 
     args = " ".join(str(hv.get(k) or "") for k in ("ansible_ssh_common_args", "ansible_ssh_extra_args"))
-    words = args.split()
-    if "-l" in words or any(w.startswith("-l") and len(w) > 2 and w[2:3].isalpha() for w in words):
-        extra = {"user": "-l"}
-    else:
-        extra = {}
     try:
-        return {**ssh_args_options(args), **extra}
+        return ssh_args_options(args)
     except ValueError as e:  # unbalanced quotes
         return {"_split_error": str(e)}
 

@@ -308,13 +308,13 @@ def ssh_config_text(targets: Sequence[SshTarget], tag: str, header: str) -> str:
 def ssh_args_options(args: str) -> dict[str, str]:
     """The ssh options in an Ansible ``ansible_ssh_common_args``/``ansible_ssh_extra_args`` string
     that decide how a host is reached: ``-o Key=Value`` / ``-o Key Value`` / ``-oKey=Value``,
-    ``-J`` (ProxyJump), ``-i`` (IdentityFile), ``-p`` (Port). Keys are OpenSSH's canonical
+    ``-J`` (ProxyJump), ``-i`` (IdentityFile), ``-p`` (Port), ``-l`` (User). Keys are OpenSSH's canonical
     spelling, lowercased; the first of each wins, as in ssh."""
     import shlex
 
     out: dict[str, str] = {}
     words = shlex.split(args)
-    flags = {"-J": "proxyjump", "-i": "identityfile", "-p": "port"}
+    flags = {"-J": "proxyjump", "-i": "identityfile", "-p": "port", "-l": "user"}
     i = 0
     while i < len(words):
         w = words[i]
@@ -327,6 +327,8 @@ def ssh_args_options(args: str) -> dict[str, str]:
         elif w in flags and i + 1 < len(words):
             key, value = flags[w], words[i + 1]
             i += 1
+        elif w[:2] in flags and len(w) > 2:  # -lml, -p2222: ssh takes the value attached too
+            key, value = flags[w[:2]], w[2:]
         if key:
             out.setdefault(key.strip().lower(), value.strip())
         i += 1

@@ -323,14 +323,14 @@ def spec_text(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> str:
 
 def inventory_text(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> str:
     """The sandbox as a plain Ansible inventory: the spec's nodes, user, key and pinned host keys."""
-    import shlex
-
     import yaml
+
+    from nodeops.quoting import sh_word
 
     inv = {"all": {
         "vars": {"ansible_user": USER, "ansible_port": SSH_PORT,
                  "ansible_ssh_private_key_file": str(sdir / "id_ed25519"),
-                 "ansible_ssh_common_args": "-o UserKnownHostsFile=" + shlex.quote(str(sdir / "known_hosts")),
+                 "ansible_ssh_common_args": "-o UserKnownHostsFile=" + sh_word(str(sdir / "known_hosts")),
                  "nodeops": {"name": name}},
         "hosts": {n.name: {"ansible_host": n.address} for n in node_list},
         "children": {"chief": {"hosts": {node_list[0].name: None}}},

@@ -41,9 +41,7 @@ class RunFile:
     mode: str  # octal, as text: "0700"
 
 
-def shell_quote(value: object) -> str:
-    """nodeops.quoting.sh_run_word: one bash word, @@HOME@@ as "$HOME" (expanded by the remote shell)."""
-    return sh_run_word(value)
+shell_quote = sh_run_word  # one bash word, @@HOME@@ as "$HOME" (expanded by the remote shell)
 
 
 def _jinja() -> Any:

@@ -175,11 +175,12 @@ def test_import_inventory_writes_a_spec_and_never_overwrites_without_force(tmp_p
 
 def test_ssh_settings_nodeops_cannot_carry_are_refused_not_dropped(tmp_path: Path) -> None:
     inv = write(tmp_path, "a.ini", "[g]\nh1 ansible_host=10.0.0.1 nodeops_gpus=100000000 nodeops_chief=yes\n"
-                "h2 ansible_ssh_host=10.0.0.2 ansible_ssh_user=ml ansible_ssh_common_args='-o ProxyCommand=nc'\n"
+                "h2 ansible_ssh_host=10.0.0.2 ansible_ssh_user=ml ansible_ssh_common_args='-o ProxyCommand=nc -lroot'\n"
                 "h3 ansible_host=10.0.0.3 ansible_connection=local nodeops_chief=maybe\n")  # fmt: skip
     got = issues(inv)
     assert any("h1: nodeops_gpus: 100000000 GPUs on one host" in i for i in got), got
     assert any("h2: ansible_ssh_common_args: ssh option 'proxycommand' is not carried over" in i for i in got), got
+    assert any("h2: ansible_ssh_common_args: ssh option 'user' is not carried over" in i for i in got), got
     assert any("h3: ansible_connection: 'local': nodeops reaches every host over ssh" in i for i in got), got
     assert any("h3: nodeops_chief: 'maybe' is not a boolean" in i for i in got), got
     ok = write(tmp_path, "b.ini", "h1 ansible_host=10.0.0.1\nh2 ansible_ssh_host=10.0.0.2 ansible_ssh_user=ml "
