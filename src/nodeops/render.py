@@ -194,10 +194,14 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
 
 
 def controller_issues(
-    loaded: LoadedSpec, environ: Mapping[str, str] | None = None, severity: Literal["error", "warning"] = "error"
+    loaded: LoadedSpec,
+    environ: Mapping[str, str] | None = None,
+    severity: Literal["error", "warning"] = "error",
+    setup: bool = False,
 ) -> list[SpecIssue]:
     """What this machine lacks for the spec, each at its field's line: an ssh key_file, an rsync
-    workdir's source, and (with ``environ``) a variable an env entry reads with from_env."""
+    workdir's source, with ``setup`` what only setup reads (the mesh key, the requirements file,
+    the wheelhouse), and with ``environ`` a variable an env entry reads with from_env."""
     import dataclasses
 
     spec, seen = loaded.spec, set()
@@ -211,6 +215,23 @@ def controller_issues(
         if not path.is_file():
             issues.append(loaded.issue(("ssh", name, "key_file"), f"{path} does not exist on this machine",
                                        "create the key, or fix the path"))  # fmt: skip
+    # What the roles read on the controller: found missing here, before any host is touched.
+    wanted: list[tuple[tuple[str, ...], str | None, bool, str]] = []
+    if setup:
+        wanted.append((("mesh", "key_file"), spec.mesh.key_file, False, "the mesh key"))
+    if setup and spec.python is not None:
+        wanted += [
+            (("python", "requirements"), spec.python.requirements, False, "the requirements file"),
+            (("python", "wheelhouse"), spec.python.wheelhouse, True, "the wheelhouse"),
+        ]
+    for field_path, value, want_dir, what in wanted:
+        if value is None:
+            continue
+        path = Path(controller_path(value, loaded.spec_dir)).expanduser()
+        if not (path.is_dir() if want_dir else path.is_file()):
+            kind = "directory" if want_dir else "file"
+            issues.append(loaded.issue(field_path, f"{what} {path} is not a {kind} on this machine",
+                                       "fix the path (relative paths start at the spec's directory)"))  # fmt: skip
     src = workdir.source_dir(loaded)
     if src is not None and not src.expanduser().is_dir():
         field_path = ("workdir", "source") if spec.workdir and spec.workdir.source else ("workdir",)
@@ -223,12 +244,12 @@ def controller_issues(
     return [dataclasses.replace(i, severity=severity) for i in issues]
 
 
-def require_controller_files(loaded: LoadedSpec, environ: Mapping[str, str] | None = None) -> None:
+def require_controller_files(loaded: LoadedSpec, environ: Mapping[str, str] | None = None, setup: bool = False) -> None:
     """Every ssh key_file (and an rsync workdir's source; with ``environ``, every from_env
-    variable) must exist on this machine before any ssh: an ssh that rides another connection,
-    or fails with "Permission denied (publickey)", does not say the file is missing. A spec
-    error (exit 2) with the field's line."""
-    issues = controller_issues(loaded, environ)
+    variable; with ``setup``, the files only setup reads) must exist on this machine before any
+    ssh: an ssh that rides another connection, or fails with "Permission denied (publickey)",
+    does not say the file is missing. A spec error (exit 2) with the field's line."""
+    issues = controller_issues(loaded, environ, setup=setup)
     if issues:
         raise SpecError(issues)
 

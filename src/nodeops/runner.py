@@ -191,6 +191,7 @@ def run_playbook(
     extravars: Mapping[str, Any] | None = None,
     limit: str | None = None,
     tags: Sequence[str] = (),
+    skip_tags: Sequence[str] = (),
     check: bool = False,
     diff: bool = False,
     verbosity: int = 0,
@@ -243,6 +244,8 @@ def run_playbook(
         cmdline.append("--diff")
     if tags:
         cmdline += ["--tags", ",".join(tags)]
+    if skip_tags:
+        cmdline += ["--skip-tags", ",".join(skip_tags)]
 
     def on_event(event: dict[str, Any]) -> bool:
         data = event.get("event_data") or {}

@@ -313,6 +313,43 @@ def test_missing_workdir_source_is_named_with_its_line(tmp_path: Path) -> None:
     assert f"{spec}:6:" in r.stderr and "workdir.source:" in r.stderr and f"{tmp_path / 'nope'}" in r.stderr
 
 
+def test_setup_names_missing_controller_inputs_before_any_host(tmp_path: Path) -> None:
+    """The files only setup reads (wheelhouse, requirements, mesh key) are spec errors with their
+    lines, found before any host is touched (the roles' own input checks are skipped under
+    nodeops); launch does not need them."""
+    (tmp_path / "k").write_text("not a real key; never read\n")
+    spec = spec_with_key(tmp_path, tmp_path / "k")
+    spec.write_text(spec.read_text() + "python: {packages: [torch], wheelhouse: ./wh, requirements: req.txt}\n"
+                    "mesh: {key_file: ./meshkey}\n")  # fmt: skip
+    r = runner.invoke(app, ["setup", str(spec)], env={"NODEOPS_HOME": str(tmp_path / "home")})
+    assert r.exit_code == 2, r.stderr
+    assert (
+        f"{spec}:6:" in r.stderr
+        and "python.wheelhouse:" in r.stderr
+        and f"{tmp_path / 'wh'} is not a directory" in r.stderr
+    )
+    assert "python.requirements:" in r.stderr and f"{tmp_path / 'req.txt'} is not a file" in r.stderr
+    assert f"{spec}:7:" in r.stderr and "mesh.key_file:" in r.stderr, r.stderr
+    assert not (tmp_path / "home" / "runs").exists() or not any((tmp_path / "home" / "runs").iterdir())
+    r = runner.invoke(
+        app, ["launch", str(spec), "--dry-run", "--", "train.py"], env={"NODEOPS_HOME": str(tmp_path / "home")}
+    )
+    assert "wheelhouse" not in r.stderr, r.stderr
+
+
+def test_setup_skips_exactly_the_roles_input_checks() -> None:
+    from nodeops.cli.setup_cmds import ROLE_INPUT_CHECKS
+
+    root = Path(__file__).resolve().parents[2]
+    tagged = {t for f in root.glob("roles/*/tasks/main.yml") for t in re.findall(r"\b(\w+_preflight)\b", f.read_text())}
+    assert set(ROLE_INPUT_CHECKS) == tagged
+    # nothing but the input-check asserts carries those tags
+    for f in root.glob("roles/*/tasks/*.yml"):
+        for block in yaml.safe_load(f.read_text()) or []:
+            if set(block.get("tags", [])) & tagged:
+                assert "ansible.builtin.assert" in block, (f, block.get("name"))
+
+
 def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
     from nodeops.render import ssh_config
     from nodeops.spec import load_spec

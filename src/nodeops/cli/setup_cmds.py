@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 ROLE_TAGS = ("ssh_mesh", "python_env", "shared_path", "nccl_env", "deepspeed_env", "packages")
 PHASE_TAGS = ("install", "configure", "verify")
+# Each role's own input checks (one assert task per role): nodeops has checked the same rules
+# on the spec, with line numbers, and the controller's files (render.controller_issues), before
+# any host is touched. Infra repos running the roles keep them.
+ROLE_INPUT_CHECKS = tuple(f"{r}_preflight" for r in ROLE_TAGS if r != "packages")
 
 
 def _progress_table(results: dict[str, HostResult]) -> object:
@@ -135,7 +139,7 @@ def setup(
         tag_list = [t for item in (tags or []) for t in item.split(",") if t]
         check_targets(tag_list)
         limited = resolve_limit(by_name, limit)
-        require_controller_files(loaded, os.environ)
+        require_controller_files(loaded, os.environ, setup=True)
         if gpus.auto_nodes(loaded):  # before rendering: the hostfile's slots and nodeops_gpus need them
             loaded, found = gpus.setup_discover(loaded, limited or None)
             if found:
@@ -159,7 +163,8 @@ def setup(
             try:
                 result = run_playbook(
                     "setup.yml", inv, secrets=secret_values, limit=limit, tags=tag_list,
-                    check=check, diff=diff, verbosity=verbose, on_update=update, cancel=cancel,
+                    skip_tags=ROLE_INPUT_CHECKS, check=check, diff=diff, verbosity=verbose,
+                    on_update=update, cancel=cancel,
                 )  # fmt: skip
             except KeyboardInterrupt:
                 cancel.set()
