@@ -6,6 +6,8 @@ spec is used throughout (a wheelhouse package, a workdir, env vars, ib off):
 
 - cold setup: the first `nodeops setup` (venv, package install, workdir copy, env files);
 - no-op setup: the second one, which must report 0 changes;
+- no-op, no mitogen: the same no-op with NODEOPS_MITOGEN=0 (only where mitogen is installed),
+  to show what mitogen's connection costs or saves at each N;
 - check: `nodeops check` (the full-mesh preflight);
 - launch: `nodeops launch --no-check` of a trivial script, only with --torch-wheelhouse (torch
   must be installed for torchrun; without it the row says "not run").
@@ -44,6 +46,13 @@ from nodeops import sandbox  # noqa: E402
 NAME = "scale"
 SUBNET = "10.218.0.0/24"
 NODEOPS = [sys.executable, "-m", "nodeops"]
+NO_MITOGEN = "no-op, no mitogen"
+
+
+def mitogen_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ansible_mitogen") is not None
 
 
 @dataclass
@@ -112,13 +121,16 @@ def run_n(n: int, work: Path, wheels: Path, torch: bool, env: dict[str, str]) ->
     try:
         spec = spec_for(sb, work, wheels, torch)
         out: dict[str, Step | None] = {}
-        for label, argv in (
-            ("cold setup", [*NODEOPS, "setup", str(spec)]),
-            ("no-op setup", [*NODEOPS, "setup", str(spec)]),
-            ("check", [*NODEOPS, "check", str(spec), "--json"]),
-        ):
+        steps = [
+            ("cold setup", [*NODEOPS, "setup", str(spec)], env),
+            ("no-op setup", [*NODEOPS, "setup", str(spec)], env),
+            ("check", [*NODEOPS, "check", str(spec), "--json"], env),
+        ]
+        if mitogen_installed():  # the same no-op with Ansible's own ssh connection: what mitogen buys at N
+            steps.insert(2, (NO_MITOGEN, [*NODEOPS, "setup", str(spec)], {**env, "NODEOPS_MITOGEN": "0"}))
+        for label, argv, step_env in steps:
             say(label)
-            out[label] = s = timed(argv, env)
+            out[label] = s = timed(argv, step_env)
             if label == "check":
                 s.rc, s.tail = check_verdict(s, torch)
             say(f"{label}: {s.wall:.1f}s wall, {s.cpu:.1f}s controller CPU, rc={s.rc}: {s.tail}")
@@ -145,10 +157,10 @@ def main() -> int:
         wheels = make_project(work, args.torch_wheelhouse)
         for n in args.nodes:
             results[n] = run_n(n, work, wheels, args.torch_wheelhouse is not None, env)
-    steps = ["cold setup", "no-op setup", "check", "launch"]
+    steps = ["cold setup", "no-op setup", NO_MITOGEN, "check", "launch"]
     base_n = min(results)
     print(f"\nscale, nodes {' '.join(map(str, results))} (wall s / controller CPU s per node / wall vs {base_n} node):")
-    print(f"{'step':12} " + " ".join(f"{f'N={n}':>22}" for n in results))
+    print(f"{'step':18} " + " ".join(f"{f'N={n}':>22}" for n in results))
     for step in steps:
         cells = []
         for n, r in results.items():
@@ -159,7 +171,7 @@ def main() -> int:
             bad = "" if s.rc == 0 else "!"
             ratio = s.wall / base.wall if base is not None and base.wall else float("nan")
             cells.append(f"{s.wall:7.1f}{bad} {s.cpu / n:6.2f} {ratio:5.2f}x")
-        print(f"{step:12} " + " ".join(cells))
+        print(f"{step:18} " + " ".join(cells))
     print("\ngoals (issue 12):")
 
     def wall(n: int, step: str) -> float | None:
