@@ -451,6 +451,19 @@ class WorkdirSpec(_Model):
         return self
 
 
+class FabricSpec(_Model):
+    """`nodeops check --fabric` thresholds."""
+
+    min_busbw_gbps: Annotated[float, Field(gt=0)] | None = Field(
+        None,
+        description="Fail when the all-nodes all-reduce, or a node's best pair, is below this bus bandwidth (Gbit/s).",
+    )
+    max_pair_spread: Annotated[float, Field(gt=0, le=1)] = Field(
+        0.7,
+        description="Flag a node whose best pair is below this share of a healthy node's (upper quartile; 3+ nodes).",
+    )
+
+
 class NetworkSpec(_Model):
     socket_ifname: str = Field(
         "auto", description="NCCL/GLOO socket interface: 'auto' (detected per node) or a name for all nodes."
@@ -459,6 +472,7 @@ class NetworkSpec(_Model):
     nccl: dict[EnvName, EnvValue] = Field(
         default_factory=dict, description="Extra NCCL_* variables, e.g. NCCL_DEBUG: INFO."
     )
+    fabric: FabricSpec = Field(default_factory=FabricSpec, description="nodeops: `check --fabric` thresholds.")
 
     @field_validator("socket_ifname")
     @classmethod

@@ -12,7 +12,11 @@ import typer
 from nodeops.cli.app import CONTEXT, GroupOpt, SpecArg, app, err, errors
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from nodeops.check import Report
+    from nodeops.fabric import FabricReport
+    from nodeops.spec import LoadedSpec
 
 COLORS = {"ok": "green", "warn": "yellow", "fail": "red"}
 
@@ -74,7 +78,9 @@ def json_errors(enabled: bool) -> Iterator[None]:
         "Examples:\n\n    nodeops check cluster.yaml\n\n    nodeops check cluster.yaml --json | jq .diff\n\n"
         "    nodeops check cluster.yaml --strict   # warnings fail too\n\n"
         "    nodeops check inventory.ini --group gpu   # an Ansible inventory's group\n\n"
-        "Exit codes: 0 everything ok (warnings allowed); 1 a check failed (or warned, with --strict); 2 bad spec."
+        "    nodeops check cluster.yaml --fabric   # then measure all-reduce and node pairs, name a slow node\n\n"
+        "Exit codes: 0 everything ok (warnings allowed); 1 a check failed (or warned, with --strict), or\n"
+        "--fabric's measurement failed a threshold (network.fabric); 2 bad spec."
     ),
 )
 def check(
@@ -82,6 +88,21 @@ def check(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON on stdout.")] = False,
     strict: Annotated[bool, typer.Option("--strict", help="Warnings fail the check too.")] = False,
     timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for each node's probe.")] = 120,
+    fabric: Annotated[
+        bool,
+        typer.Option(
+            "--fabric",
+            help="After the checks pass, measure the fabric with torchrun on every node (NCCL on GPUs, "
+            "gloo without): all-reduce over all nodes for a sweep of sizes, then node pairs around a ring; "
+            "name a node whose pairs are slow. Needs torch in the nodes' env.",
+        ),
+    ] = False,
+    fabric_seconds: Annotated[
+        float, typer.Option(min=5, help="Time budget of the --fabric measurement (seconds, start-up not included).")
+    ] = 30,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="With --fabric: also show NCCL's INFO lines.")
+    ] = False,
     group: GroupOpt = None,
 ) -> None:
     """Preflight from the chief: what makes multi-node jobs hang, checked on every node at once.
@@ -93,6 +114,12 @@ def check(
     package; lists GPUs (nvidia-smi and torch) against the spec's `gpus`; compares the workdir
     with the source; and reports clock offset to the chief, `ulimit -n`, /dev/shm and free disk. Values that
     differ from the chief's fail and are shown side by side.
+
+    With --fabric, the links are then measured by a short torchrun run on every node: bus
+    bandwidth (nccl-tests' definition) of an all-reduce over all ranks for a sweep of sizes, then
+    each node paired with its ring neighbours. A node whose best pair is below
+    network.fabric.max_pair_spread (0.7) of a healthy node's, or any figure below
+    network.fabric.min_busbw_gbps, fails the check and is named, slowest first.
     """
     from nodeops import check as chk
     from nodeops import gpus
@@ -105,8 +132,78 @@ def check(
         err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
         result = chk.run(loaded, timeout=timeout)
         report = chk.evaluate(loaded.spec, result, auto_gpus=loaded.discovered_gpus)
-    if as_json:
-        typer.echo(json.dumps(report.to_json(strict), indent=2))
-    else:
+    code = report.exit_code(strict)
+    if not as_json:
         print_report(report, "check")
-    raise typer.Exit(report.exit_code(strict))
+    fab: FabricReport | None = None
+    fab_error = ""
+    if fabric:
+        if report.worst() == "fail":
+            fab_error = "not run: a check failed (the measurement needs every node reachable on the job's ports)"
+        else:
+            with errors(), json_errors(as_json):
+                try:
+                    fab = run_fabric(loaded, spec, fabric_seconds, verbose)
+                except FabricError as e:
+                    fab_error = str(e)
+        code = max(code, 0 if fab is not None and fab.ok else 1)
+        if not as_json:
+            if fab is not None:
+                from nodeops.fabric import print_report as print_fabric
+
+                print_fabric(fab)
+            else:
+                err(f"fabric: {fab_error}")
+    if as_json:
+        doc = report.to_json(strict)
+        if fabric:
+            doc["fabric"] = fab.to_json() if fab is not None else {"status": "error", "error": fab_error}
+            doc["exit_code"] = code
+        typer.echo(json.dumps(doc, indent=2))
+    raise typer.Exit(code)
+
+
+class FabricError(Exception):
+    """The fabric measurement did not produce a result (the run failed, or said nothing)."""
+
+
+def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, verbose: bool = False) -> FabricReport:
+    """Run the fabric probe as an ordinary torchrun run (the spec's env file, Python env,
+    interface settings and ports; NCCL's network lines switched on) and judge its result."""
+    import dataclasses
+    from pathlib import Path
+
+    from nodeops import fabric, jobs
+    from nodeops.cli.launch_cmds import run_job
+    from nodeops.starter import RunFile
+
+    s = loaded.spec
+    # torchrun whatever the job's runner: one process per GPU (or one per node), the same ports.
+    launch = s.launch.model_copy(update={"runner": "torchrun", "max_restarts": 0})
+    as_torchrun = dataclasses.replace(loaded, spec=s.model_copy(update={"launch": launch}))
+    names = [s.alias(n) for n in s.ranked_nodes()]
+    run_id = jobs.new_run_id()
+    thresholds = s.network.fabric
+    argv = fabric.probe_argv(
+        names, seconds, thresholds.max_pair_spread, f"@@HOME@@/{jobs.remote_dir(run_id)}/fabric.py"
+    )
+    probe = (Path(fabric.__file__).parent / "fabric_probe.py").read_text()
+    collector = fabric.Collector(lambda host, line: err(f"{host} {line}"), verbose)
+    pairs = len(fabric.ring_pairs(len(names)))
+    err(
+        f"==> fabric: all-reduce over {len(names)} node(s) and {pairs} node pair(s), {seconds:g}s budget (run {run_id})"
+    )
+    try:
+        run_job(as_torchrun, spec_path, argv, extra_files=[RunFile("fabric.py", probe, "0600")],
+                extra_env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}, emit=collector,
+                run_id=run_id)  # fmt: skip
+    except typer.Exit as e:
+        if e.exit_code == 130:  # Ctrl-C: the run is stopped everywhere; so is check
+            raise
+        raise FabricError(f"the measurement (run {run_id}) failed with exit code {e.exit_code}; see above") from None
+    if collector.doc is None:
+        raise FabricError(f"the measurement (run {run_id}) ended without a result; see `nodeops logs {run_id}`")
+    report = fabric.evaluate(collector.doc, spread=thresholds.max_pair_spread, min_busbw=thresholds.min_busbw_gbps,
+                             interfaces=collector.interfaces())  # fmt: skip
+    report.run_id = run_id
+    return report

@@ -8,7 +8,8 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -20,6 +21,7 @@ from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
 if TYPE_CHECKING:
     from nodeops.launchers import HostLaunch
     from nodeops.spec import LoadedSpec, ResourceSpec
+    from nodeops.starter import RunFile
 
 
 class Via(enum.StrEnum):
@@ -67,6 +69,7 @@ class ScriptCommand(TyperCommand):
         "    nodeops launch --detach cluster.yaml -- train.py --lr 1e-3   # `--` is optional\n\n"
         "    nodeops launch cluster.yaml --script run.sh -- --epochs 2   # run.sh calls $NODEOPS_RUNNER train.py\n\n"
         "    nodeops launch --dry-run cluster.yaml train.py   # each host's command, env and files; starts nothing\n\n"
+        "    nodeops launch --fabric-check cluster.yaml train.py   # measure the links first; a slow node stops it\n\n"
         "    nodeops launch aws_ec2.yml --group gpu -- train.py   # an Ansible inventory (here a plugin config)"
     ),
 )
@@ -104,6 +107,14 @@ def launch(
             "shared_path role; outputs on the nodes are kept).",
         ),
     ] = False,
+    fabric_check: Annotated[
+        bool,
+        typer.Option(
+            "--fabric-check",
+            help="Before starting, run `check --fabric`'s measurement (30 s budget); start nothing if a "
+            "node is slow or a network.fabric threshold fails.",
+        ),
+    ] = False,
     group: GroupOpt = None,
 ) -> None:
     """Start training on every host: torchrun per host, or mpirun/deepspeed from the chief.
@@ -114,10 +125,8 @@ def launch(
     host is named with its last lines. Ctrl-C stops everything and exits 130. Options before
     the script are nodeops'; the script and every argument after it reach the script literally.
     """
-    from nodeops import _launch_plan, gpus, jobs, launchers, starter
-    from nodeops.cli.jobs_cmds import emitter
-    from nodeops.render import inventory, require_controller_files, ssh_config
-    from nodeops.runner import run_playbook
+    from nodeops import gpus
+    from nodeops.render import require_controller_files
     from nodeops.spec import load_spec
 
     user_argv = list(ctx.args)
@@ -128,7 +137,6 @@ def launch(
         require_controller_files(loaded)
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
-        s = loaded.spec
         if dry_run:
             for w in loaded.warnings:
                 err(str(w))
@@ -138,99 +146,153 @@ def launch(
             sync_workdir(loaded)
         if not no_check:
             preflight(loaded, script_file(user_argv, script))
-        run_id = jobs.new_run_id()
-        local = jobs.jobs_dir() / run_id
-        local.mkdir(mode=0o700)
-        (local / "ssh_config").write_text(ssh_config(loaded))
-        plan = launch_plan(loaded, user_argv, run_id, script)
-        started = [h.host for h in plan if h.argv]
-        all_hosts = [h.host for h in plan]
-        addresses = {n.address: s.alias(n) for n in s.nodes}
-        rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []  # mpirun's tagged lines
-        pdsh_hosts = addresses if s.launch.runner == "deepspeed" else {}  # pdsh's address prefixes
-        chief = s.alias(s.chief)
-        job = jobs.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
-                       spec=str(spec.resolve()), started=time.time(), rank_hosts=rank_hosts,
-                       all_hosts=all_hosts, pdsh_hosts=pdsh_hosts)  # fmt: skip
-        # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
-        (local / "starting").write_text(f"{os.getpid()}\n")
-        job.save()
-        t0 = time.monotonic()
-        try:
-            with sigterm_as_interrupt():
-                # announced inside the block: a Ctrl-C right after this line still stops what started
-                err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
-                run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner,
-                                                     s.launch.max_restarts)  # fmt: skip
-                run = starter.run_vars(loaded, plan, run_id, run_config)
-                files = starter.files_from_vars(run)
-                if via == "ssh":
-                    bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
-                else:
-                    extravars = starter.ansible_vars(run)
-                    # Connection data only: launch sends no env values (the ranks read env.sh and
-                    # secrets.env that setup wrote), so from_env variables need not be exported.
-                    result = run_playbook("launch.yml", inventory(loaded, None), kind="launch",
-                                          extravars=extravars)  # fmt: skip
-                    bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values()
-                           if hr.status != "ok"}  # fmt: skip
-                if not bad:  # every host started: now the supervisor, which attaches to all of them
-                    why = starter.start_supervisor(local / "ssh_config", run_id, chief)
-                    bad = {chief: f"supervisor: {why}"} if why else {}
-        except KeyboardInterrupt:
-            # Every start has returned (the pool waits for them): stop what did start, everywhere.
-            with jobs.ignoring_interrupts():
-                left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
-            fail(f"==> run {run_id} interrupted while starting; {teardown_summary(left)}", 130)
-        if bad:
-            for host, why in bad.items():
-                err(f"{host}: {why}")
-            with jobs.ignoring_interrupts():
-                left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
-            fail(f"launch failed on {', '.join(bad)}; {teardown_summary(left)}", EXIT_FAILURE)
-        (local / "starting").unlink(missing_ok=True)  # the supervisor runs: it has the run's verdict
-        if detach:
-            err(f"==> started in {time.monotonic() - t0:.1f}s; detached")
-            err(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
-            typer.echo(run_id)
-            return
-        err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
-        emit = emitter(rank_hosts, pdsh_hosts)
-        try:
-            res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=all_hosts,
-                              addresses=addresses, rank_hosts=rank_hosts)  # fmt: skip
-        except KeyboardInterrupt:  # in the instant before follow() took over Ctrl-C
-            with jobs.ignoring_interrupts():
-                jobs.request_stop(local / "ssh_config", chief, run_id)
-                left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
-            fail(f"==> run {run_id} interrupted; {teardown_summary(left)}", 130)
-        (local / "result.json").write_text(json.dumps({
-            "hosts": {h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
-            "supervisor": res.supervisor,
-        }))  # fmt: skip
-        if res.interrupted:
-            how = "stopped on request (nodeops stop)" if res.stopped_elsewhere else "interrupted"
-            fail(f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}", res.exit_code)
-        if res.root_cause is not None:
-            rc = res.root_cause
-            code = jobs.failure_code(rc)
-            why = f"exit code {code}" if code else rc.lost_reason
-            own, summary = jobs.failure_lines(rc.tail)
-            err(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); its last lines:")
-            for line in own + (summary if verbose or not own else []):
-                err(f"    {rc.host} {line}")
-            if summary and own and not verbose:
-                err(f"    ({len(summary)} more lines of torchrun's failure report: -v shows them, "
-                    f"as does `nodeops logs {run_id}`)")  # fmt: skip
-            if res.teardown_seconds is not None:
-                err(f"==> the supervisor stopped every other rank in {res.teardown_seconds:.1f}s; "
-                    f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
+        if fabric_check:
+            fabric_gate(loaded, spec)
+        run_job(loaded, spec, user_argv, script=script, via=via, detach=detach, verbose=verbose)
+
+
+def run_job(
+    loaded: LoadedSpec,
+    spec_path: Path,
+    user_argv: list[str],
+    *,
+    script: str | None = None,
+    via: Via = Via.ssh,
+    detach: bool = False,
+    verbose: bool = False,
+    extra_files: Sequence[RunFile] = (),
+    extra_env: Mapping[str, str] | None = None,
+    emit: Callable[[str, str], None] | None = None,
+    run_id: str | None = None,
+) -> None:
+    """Start a run on every host and, unless ``detach``, follow it to its end: returns when every
+    host exited 0, else raises typer.Exit with the run's exit code (after naming the first
+    failing host). ``extra_files`` go into each job host's run dir, ``extra_env`` into each
+    job's env (ssh transport only: `check --fabric` ships its probe so); ``emit`` replaces the
+    prefixed printing of each log line; ``run_id`` is a fresh one (jobs.new_run_id) chosen by
+    the caller, when its argv must name the run dir."""
+    import dataclasses
+
+    from nodeops import _launch_plan, jobs, launchers, starter
+    from nodeops.cli.jobs_cmds import emitter
+    from nodeops.render import inventory, ssh_config
+    from nodeops.runner import run_playbook
+
+    s = loaded.spec
+    spec = spec_path
+    run_id = run_id or jobs.new_run_id()
+    local = jobs.jobs_dir() / run_id
+    local.mkdir(mode=0o700)
+    (local / "ssh_config").write_text(ssh_config(loaded))
+    plan = launch_plan(loaded, user_argv, run_id, script)
+    if extra_env:
+        plan = [dataclasses.replace(h, env={**h.env, **extra_env}) if h.argv else h for h in plan]
+    started = [h.host for h in plan if h.argv]
+    all_hosts = [h.host for h in plan]
+    addresses = {n.address: s.alias(n) for n in s.nodes}
+    rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []  # mpirun's tagged lines
+    pdsh_hosts = addresses if s.launch.runner == "deepspeed" else {}  # pdsh's address prefixes
+    chief = s.alias(s.chief)
+    job = jobs.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
+                   spec=str(spec.resolve()), started=time.time(), rank_hosts=rank_hosts,
+                   all_hosts=all_hosts, pdsh_hosts=pdsh_hosts)  # fmt: skip
+    # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
+    (local / "starting").write_text(f"{os.getpid()}\n")
+    job.save()
+    t0 = time.monotonic()
+    try:
+        with sigterm_as_interrupt():
+            # announced inside the block: a Ctrl-C right after this line still stops what started
+            err(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via.value})")
+            run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner,
+                                                 s.launch.max_restarts)  # fmt: skip
+            run = starter.run_vars(loaded, plan, run_id, run_config)
+            files = starter.files_from_vars(run)
+            for h in plan:
+                if h.argv:
+                    files[h.host] += extra_files
+            if via == "ssh":
+                bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
             else:
-                err(f"==> {teardown_summary(res.teardown_problems)}")
-            raise typer.Exit(res.exit_code)
-        if res.teardown_problems:
-            fail(f"==> run {run_id}: every host exited 0, but {teardown_summary(res.teardown_problems)}", EXIT_FAILURE)
-        err(f"==> run {run_id} finished: every host exited 0")
+                extravars = starter.ansible_vars(run)
+                # Connection data only: launch sends no env values (the ranks read env.sh and
+                # secrets.env that setup wrote), so from_env variables need not be exported.
+                result = run_playbook("launch.yml", inventory(loaded, None), kind="launch",
+                                      extravars=extravars)  # fmt: skip
+                bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values()
+                       if hr.status != "ok"}  # fmt: skip
+            if not bad:  # every host started: now the supervisor, which attaches to all of them
+                why = starter.start_supervisor(local / "ssh_config", run_id, chief)
+                bad = {chief: f"supervisor: {why}"} if why else {}
+    except KeyboardInterrupt:
+        # Every start has returned (the pool waits for them): stop what did start, everywhere.
+        with jobs.ignoring_interrupts():
+            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+        fail(f"==> run {run_id} interrupted while starting; {teardown_summary(left)}", 130)
+    if bad:
+        for host, why in bad.items():
+            err(f"{host}: {why}")
+        with jobs.ignoring_interrupts():
+            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+        fail(f"launch failed on {', '.join(bad)}; {teardown_summary(left)}", EXIT_FAILURE)
+    (local / "starting").unlink(missing_ok=True)  # the supervisor runs: it has the run's verdict
+    if detach:
+        err(f"==> started in {time.monotonic() - t0:.1f}s; detached")
+        err(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
+        typer.echo(run_id)
+        return
+    err(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
+    emit = emit or emitter(rank_hosts, pdsh_hosts)
+    try:
+        res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=all_hosts,
+                          addresses=addresses, rank_hosts=rank_hosts)  # fmt: skip
+    except KeyboardInterrupt:  # in the instant before follow() took over Ctrl-C
+        with jobs.ignoring_interrupts():
+            jobs.request_stop(local / "ssh_config", chief, run_id)
+            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+        fail(f"==> run {run_id} interrupted; {teardown_summary(left)}", 130)
+    (local / "result.json").write_text(json.dumps({
+        "hosts": {h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
+        "supervisor": res.supervisor,
+    }))  # fmt: skip
+    if res.interrupted:
+        how = "stopped on request (nodeops stop)" if res.stopped_elsewhere else "interrupted"
+        fail(f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}", res.exit_code)
+    if res.root_cause is not None:
+        rc = res.root_cause
+        code = jobs.failure_code(rc)
+        why = f"exit code {code}" if code else rc.lost_reason
+        own, summary = jobs.failure_lines(rc.tail)
+        err(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); its last lines:")
+        for line in own + (summary if verbose or not own else []):
+            err(f"    {rc.host} {line}")
+        if summary and own and not verbose:
+            err(f"    ({len(summary)} more lines of torchrun's failure report: -v shows them, "
+                f"as does `nodeops logs {run_id}`)")  # fmt: skip
+        if res.teardown_seconds is not None:
+            err(f"==> the supervisor stopped every other rank in {res.teardown_seconds:.1f}s; "
+                f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
+        else:
+            err(f"==> {teardown_summary(res.teardown_problems)}")
+        raise typer.Exit(res.exit_code)
+    if res.teardown_problems:
+        fail(f"==> run {run_id}: every host exited 0, but {teardown_summary(res.teardown_problems)}", EXIT_FAILURE)
+    err(f"==> run {run_id} finished: every host exited 0")
+
+
+def fabric_gate(loaded: LoadedSpec, spec_path: Path) -> None:
+    """`launch --fabric-check`: the fabric measurement first; nothing starts unless it passes."""
+    from nodeops.cli.check_cmds import FabricError, run_fabric
+    from nodeops.fabric import print_report
+
+    try:
+        report = run_fabric(loaded, spec_path, 30)
+    except FabricError as e:
+        fail(f"--fabric-check: {e}; nothing was started", EXIT_FAILURE)
+    print_report(report)
+    if not report.ok:
+        fail(f"--fabric-check failed ({'; '.join(report.problems)}); nothing was started "
+             "(see network.fabric in the README to change the thresholds)", EXIT_FAILURE)  # fmt: skip
 
 
 def teardown_summary(problems: dict[str, str]) -> str:

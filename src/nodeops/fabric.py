@@ -1,0 +1,338 @@
+"""`nodeops check --fabric`: measure the links between the nodes and name the slow one.
+
+The measurement (``fabric_probe.py``) runs as an ordinary run through the launch machinery:
+torchrun on every node, with the spec's env file, Python env and interface settings, NCCL on
+GPUs and gloo without. This module holds what the controller does with it: the pair schedule
+sent to the probe, the bandwidth arithmetic (nccl-tests' definitions), the verdicts against the
+spec's ``network.fabric`` thresholds, the interface NCCL reports, and the report.
+
+Bandwidths are in Gbit/s (what NICs are sold in). For an all-reduce of ``S`` bytes taking
+``t`` seconds over ``n`` ranks: algbw = S / t, busbw = algbw * 2(n-1)/n, as nccl-tests
+defines them (busbw is comparable with the link's speed whatever ``n``).
+
+Finding the slow node: each node is paired with its ring neighbours (N pairs for N nodes, in
+2 or 3 rounds of disjoint pairs that run at the same time). A slow node makes both of its pairs
+slow, a healthy neighbour only one, so a node's score is its *best* pair. A node whose score is
+below ``max_pair_spread`` times the reference (the upper quartile of the scores, see
+:func:`reference`) is a suspect; the probe then measures each suspect once more against the
+best node, so that a healthy node between two slow ones is cleared. The reference is taken over
+node scores, not pairs: with 3 nodes one slow node makes two of the three pairs slow, and the
+median pair would be a slow one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MARKER = "NODEOPS_FABRIC"
+DEFAULT_SPREAD = 0.7
+
+
+def algbw_gbps(nbytes: float, seconds: float) -> float:
+    """Algorithm bandwidth in Gbit/s: the bytes of the buffer over the time of one all-reduce."""
+    return nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def bus_factor(ranks: int) -> float:
+    """nccl-tests' all-reduce factor 2(n-1)/n: each rank sends and receives that many buffers."""
+    return 2 * (ranks - 1) / ranks if ranks > 0 else 0.0
+
+
+def busbw_gbps(nbytes: float, seconds: float, ranks: int) -> float:
+    return algbw_gbps(nbytes, seconds) * bus_factor(ranks)
+
+
+def ring_pairs(n: int) -> list[tuple[int, int]]:
+    """Each node with its ring neighbour: N pairs for N >= 3, one for 2, none for 1."""
+    if n < 2:
+        return []
+    if n == 2:
+        return [(0, 1)]
+    return [(i, (i + 1) % n) for i in range(n)]
+
+
+def schedule(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Rounds of pairs that share no node (so a round's pairs run at once without sharing a
+    NIC): greedy, in order; a ring takes 2 rounds (even N) or 3 (odd N)."""
+    rounds: list[list[tuple[int, int]]] = []
+    busy: list[set[int]] = []
+    for a, b in pairs:
+        for i, used in enumerate(busy):
+            if a not in used and b not in used:
+                rounds[i].append((a, b))
+                used.update((a, b))
+                break
+        else:
+            rounds.append([(a, b)])
+            busy.append({a, b})
+    return rounds
+
+
+def rounds_arg(rounds: Sequence[Sequence[tuple[int, int]]]) -> str:
+    """The probe's ``--rounds``: ``0-1,2-3;1-2,3-0``."""
+    return ";".join(",".join(f"{a}-{b}" for a, b in r) for r in rounds)
+
+
+# NCCL's INFO lines about the network (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET), e.g.
+#   host:123:456 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB [RO]; OOB eth0:10.4.2.31<0>
+#   host:123:456 [0] NCCL INFO NET/Socket : Using [0]eth0:10.140.0.7<0>
+#   host:123:456 [0] NCCL INFO Using network Socket
+_NET_USING = re.compile(r"NCCL INFO NET/(\w+)\s*:\s*Using (.*)$")
+_NETWORK = re.compile(r"NCCL INFO Using network (.+?)\s*$")
+_DEVICE = re.compile(r"\[\d+\]([^\s\[\]]+)")
+
+
+def parse_nccl_net(lines: Iterable[str]) -> str | None:
+    """What NCCL says it uses for the network on one node, from its INFO lines: the transport
+    NCCL chose ("Using network X"), and the devices of that transport's "NET/... : Using" line
+    (address parts dropped), with IB's out-of-band interface. None when NCCL said nothing."""
+    using: dict[str, str] = {}
+    network = None
+    for line in lines:
+        m = _NET_USING.search(line)
+        if m:
+            kind, rest = m.group(1), m.group(2)
+            main, _, oob = rest.partition("; OOB ")
+            devices = [d.split(":")[0] if kind == "Socket" else d.split("<")[0] for d in _DEVICE.findall(main)]
+            text = ", ".join(devices) or "no device"
+            if oob.strip():
+                text += f" (OOB {oob.strip().split(':')[0]})"
+            using[kind] = text
+            continue
+        m = _NETWORK.search(line)
+        if m:
+            network = m.group(1)
+    if network is None and not using:
+        return None
+    kind = "IB" if network is not None and network.startswith("IB") else network
+    if kind in using:
+        return f"{network}: {using[kind]}"
+    if network is not None:
+        return network if len(using) != 1 else f"{network}: {next(iter(using.values()))}"
+    return "; ".join(f"{k}: {v}" for k, v in using.items())
+
+
+def reference(scores: Sequence[float]) -> float | None:
+    """What a healthy node reaches: the upper quartile of the node scores. A slow node drags its
+    two ring neighbours' pairs down too, so up to half of the scores can look slow (two slow
+    nodes of five make three); the upper quartile stays on a healthy one where the median would
+    not. fabric_probe.py picks its suspects with the same rule."""
+    if not scores:
+        return None
+    if len(scores) == 1:
+        return float(scores[0])
+    return float(statistics.quantiles(scores, n=4, method="inclusive")[2])
+
+
+@dataclass
+class SweepRow:
+    bytes: int
+    seconds: float
+    iters: int
+    algbw: float  # Gbit/s
+    busbw: float  # Gbit/s
+
+
+@dataclass
+class PairRow:
+    a: str
+    b: str
+    ranks: int
+    seconds: float
+    busbw: float  # Gbit/s
+    confirm: bool = False  # a suspect measured again against the best node
+    verdict: str = "ok"
+
+
+@dataclass
+class NodeRow:
+    name: str
+    best: float | None  # Gbit/s: the node's best pair (None: no pair, one node)
+    interface: str
+    verdict: str = "ok"
+    why: str = ""
+
+
+@dataclass
+class FabricReport:
+    backend: str
+    world: int
+    sweep: list[SweepRow]
+    skipped: list[int]
+    pairs: list[PairRow]
+    nodes: list[NodeRow]  # slowest first
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    elapsed: float = 0.0
+    spread: float = DEFAULT_SPREAD
+    min_busbw: float | None = None
+    run_id: str = ""  # the measurement's run (`nodeops logs RUN`)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["status"] = "ok" if self.ok else "fail"
+        return out
+
+
+def evaluate(
+    doc: Mapping[str, Any],
+    *,
+    spread: float = DEFAULT_SPREAD,
+    min_busbw: float | None = None,
+    interfaces: Mapping[str, str] | None = None,
+) -> FabricReport:
+    """Verdicts from the probe's document (see fabric_probe.py) and the thresholds."""
+    names: list[str] = list(doc["nodes"])
+    world = int(doc["world"])
+    sweep = [SweepRow(int(r["bytes"]), float(r["seconds"]), int(r["iters"]), algbw_gbps(r["bytes"], r["seconds"]),
+                      busbw_gbps(r["bytes"], r["seconds"], world)) for r in doc.get("sweep", [])]  # fmt: skip
+    pair_bytes = int(doc.get("pair_bytes") or 0)
+    pairs = [PairRow(names[p["pair"][0]], names[p["pair"][1]], int(p["ranks"]), float(p["seconds"]),
+                     busbw_gbps(pair_bytes, p["seconds"], int(p["ranks"])), bool(p.get("confirm")))
+             for p in doc.get("pairs", []) if "seconds" in p]  # fmt: skip
+    env = doc.get("env") or {}
+    backend = str(doc.get("backend", "?"))
+
+    def iface(name: str) -> str:
+        said = (interfaces or {}).get(name)
+        if said:
+            return said
+        e = env.get(name) or {}
+        var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
+        return f"{e[var]} ({var})" if var in e else "not set (the default route's)"
+
+    best: dict[str, float] = {}
+    for p in pairs:
+        for name in (p.a, p.b):
+            best[name] = max(best.get(name, 0.0), p.busbw)
+    nodes = [NodeRow(n, best.get(n), iface(n)) for n in names]
+    problems: list[str] = []
+    notes: list[str] = []
+    if doc.get("skipped"):
+        notes.append("all-reduce sizes skipped to keep to the time budget: "
+                     + ", ".join(human_bytes(b) for b in doc["skipped"]))  # fmt: skip
+    ref = reference([n.best for n in nodes if n.best is not None])
+    if len(names) >= 3 and ref:
+        for n in nodes:
+            if n.best is not None and n.best < spread * ref:
+                n.verdict = "slow"
+                n.why = (f"its best pair reaches {n.best:.3g} Gbit/s, {n.best / ref:.0%} of the reference "
+                         f"{ref:.3g} (the nodes' upper quartile; below network.fabric.max_pair_spread "
+                         f"{spread:g})")  # fmt: skip
+        for p in pairs:
+            if p.busbw < spread * ref:
+                p.verdict = "slow"
+    elif len(names) == 2:
+        notes.append("2 nodes: one pair, so a slow node cannot be told from its partner; "
+                     "network.fabric.min_busbw_gbps sets a floor")  # fmt: skip
+    if min_busbw is not None:
+        for n in nodes:
+            if n.best is not None and n.best < min_busbw:
+                n.verdict = "slow"
+                n.why = (n.why + "; " if n.why else "") + (
+                    f"its best pair reaches {n.best:.3g} Gbit/s, below network.fabric.min_busbw_gbps {min_busbw:g}"
+                )
+        for p in pairs:
+            if p.busbw < min_busbw:
+                p.verdict = "slow"
+        if sweep and sweep[-1].busbw < min_busbw:
+            last = sweep[-1]
+            problems.append(f"all nodes: all-reduce of {human_bytes(last.bytes)} reaches {last.busbw:.3g} Gbit/s "
+                            f"bus bandwidth, below network.fabric.min_busbw_gbps {min_busbw:g}")  # fmt: skip
+    nodes.sort(key=lambda n: (n.verdict == "ok", n.best if n.best is not None else float("inf"), n.name))
+    pairs.sort(key=lambda p: (p.verdict == "ok", p.busbw))
+    problems[:0] = [f"{n.name}: slow: {n.why}" for n in nodes if n.verdict != "ok"]
+    return FabricReport(backend, world, sweep, [int(b) for b in doc.get("skipped", [])], pairs, nodes, problems,
+                        notes, float(doc.get("elapsed", 0.0)), spread, min_busbw)  # fmt: skip
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
+class Collector:
+    """Wraps a log-line printer for the fabric run: keeps the probe's result line and each
+    host's NCCL network lines, prints the probe's own progress lines, and hides the rest
+    (NCCL's INFO chatter) unless ``verbose``."""
+
+    def __init__(self, emit: Any, verbose: bool = False) -> None:
+        self.emit, self.verbose = emit, verbose
+        self.doc: dict[str, Any] | None = None
+        self.nccl: dict[str, list[str]] = {}
+
+    def __call__(self, host: str, line: str) -> None:
+        at = line.find(MARKER + " ")
+        if at >= 0:
+            try:
+                self.doc = json.loads(line[at + len(MARKER) + 1 :])
+            except json.JSONDecodeError:
+                self.emit(host, line)
+            return
+        if "NCCL INFO" in line:
+            self.nccl.setdefault(host, []).append(line)
+        if self.verbose or "fabric:" in line or "NCCL INFO" not in line:
+            self.emit(host, line)
+
+    def interfaces(self) -> dict[str, str]:
+        out = {}
+        for host, lines in self.nccl.items():
+            said = parse_nccl_net(lines)
+            if said:
+                out[host] = said
+        return out
+
+
+def probe_argv(names: Sequence[str], seconds: float, spread: float, script: str) -> list[str]:
+    rounds = schedule(ring_pairs(len(names)))
+    argv = [script, "--seconds", f"{seconds:g}", "--spread", f"{spread:g}", "--nodes", ",".join(names)]
+    return argv + (["--rounds", rounds_arg(rounds)] if rounds else [])
+
+
+def print_report(report: FabricReport) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"fabric: all-reduce over all {report.world} rank(s) ({report.backend})", title_justify="left")
+    for col in ("size", "time", "algbw Gbit/s", "busbw Gbit/s", "runs"):
+        table.add_column(col, justify="right")
+    for r in report.sweep:
+        t = f"{r.seconds * 1e6:.0f} us" if r.seconds < 1e-3 else f"{r.seconds * 1e3:.2f} ms"
+        table.add_row(human_bytes(r.bytes), t, f"{r.algbw:.3g}", f"{r.busbw:.3g}", str(r.iters))
+    console.print(table)
+    if report.pairs:
+        table = Table(title="fabric: node pairs (slowest first)", title_justify="left")
+        for col in ("pair", "ranks", "busbw Gbit/s", "verdict"):
+            table.add_column(col)
+        for p in report.pairs:
+            color = "green" if p.verdict == "ok" else "red"
+            what = f"{p.a} - {p.b}" + (" (again, vs the best node)" if p.confirm else "")
+            table.add_row(escape(what), str(p.ranks), f"{p.busbw:.3g}", f"[{color}]{p.verdict}[/]")
+        console.print(table)
+    table = Table(title="fabric: nodes (slowest first)", title_justify="left")
+    for col in ("node", "best pair Gbit/s", "network", "verdict"):
+        table.add_column(col)
+    for n in report.nodes:
+        color = "green" if n.verdict == "ok" else "red"
+        table.add_row(escape(n.name), "-" if n.best is None else f"{n.best:.3g}", escape(n.interface),
+                      f"[{color}]{n.verdict}[/]")  # fmt: skip
+    console.print(table)
+    for note in report.notes:
+        console.print(f"note: {escape(note)}")
+    for problem in report.problems:
+        console.print(f"[red]fabric: {escape(problem)}[/]")
+    verdict = "[green]ok[/]" if report.ok else "[red]fail[/]"
+    console.print(f"fabric: {verdict} (measured in {report.elapsed:.1f}s)")

@@ -1,0 +1,190 @@
+"""The fabric measurement: shipped into a run's dir by `nodeops check --fabric` and started on
+every node by the normal launch machinery (torchrun, the spec's env file, Python env and
+interface settings). Needs only torch and the standard library.
+
+Every rank takes part in:
+
+1. an all-reduce over all ranks for a sweep of message sizes (each size repeated for the time
+   the budget gives it; a size whose first run would overrun it is skipped and said so);
+2. rounds of node pairs (all ranks of two nodes in a group of their own), the pairs of a round
+   disjoint so they run at the same time: a ring of N nodes needs N pairs in 2 or 3 rounds.
+
+Timings are the slowest rank's (a MAX all-reduce of each rank's own), as nccl-tests reports
+them. Rank 0 prints one line, ``NODEOPS_FABRIC {json}``, which the controller reads from the
+run's log; the verdict is made there (nodeops.fabric).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+MARKER = "NODEOPS_FABRIC"
+CPU_SIZES = [8 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
+GPU_SIZES = [8 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
+CPU_PAIR_BYTES = 4 << 20
+GPU_PAIR_BYTES = 256 << 20
+MAX_ITERS = 20
+ENV_SHOWN = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_NET")
+
+
+def say(text: str) -> None:
+    print(f"fabric: {text}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=40.0, help="the whole measurement's budget")
+    ap.add_argument("--nodes", required=True, help="the spec's node names, comma-separated, in node-rank order")
+    ap.add_argument("--rounds", default="", help="pair rounds: 'a-b,c-d;b-c,d-a' (node indexes)")
+    ap.add_argument("--spread", type=float, default=0.7, help="a node below this share of the median is a suspect")
+    args = ap.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    names = args.nodes.split(",")
+    node = int(os.environ["NODE_RANK"])  # job.sh's: the spec's node rank, whatever the rendezvous
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    gpu = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    if gpu:
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if gpu else "gloo"
+    device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+    # A hung collective (a dead link) ends the run instead of holding it: the budget plus a margin.
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.seconds + 60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t_start = time.monotonic()
+
+    def sync() -> None:
+        if gpu:
+            torch.cuda.synchronize()
+
+    def slowest(value: float, group: object = None) -> float:
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return float(t.item())
+
+    def timed(
+        nbytes: int, share: float, group: object = None, prev: tuple[int, float] | None = None
+    ) -> dict[str, Any] | None:
+        """Seconds per all-reduce of ``nbytes`` in ``group`` (the slowest rank's), repeated for up
+        to ``share`` seconds; None when the first run alone would overrun it (from ``prev``,
+        the last size's (bytes, seconds), scaled by size)."""
+        if prev is not None and prev[1] * nbytes / prev[0] > share:
+            return None
+        x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        slowest(0.0, group)  # line the group up
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        sync()
+        first = slowest(time.perf_counter() - t0, group)
+        iters = max(1, min(MAX_ITERS, int(share / max(first, 1e-6)) - 1))
+        slowest(0.0, group)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(x, group=group)
+        sync()
+        per = slowest((time.perf_counter() - t0) / iters, group)
+        return {"bytes": x.numel() * 4, "seconds": per, "iters": iters}
+
+    # Which ranks live on which node (the rendezvous may order nodes differently from the spec).
+    where: list[Any] = [None] * world
+    env = {k: os.environ[k] for k in ENV_SHOWN if k in os.environ}
+    dist.all_gather_object(where, {"node": node, "host": socket.gethostname(), "env": env})
+    ranks_of: dict[int, list[int]] = {}
+    env_of: dict[int, dict[str, str]] = {}
+    for r, w in enumerate(where):
+        ranks_of.setdefault(int(w["node"]), []).append(r)
+        env_of.setdefault(int(w["node"]), w["env"])
+    if rank == 0:
+        say(f"{backend} on {world} rank(s) over {len(ranks_of)} node(s); budget {args.seconds:.0f}s")
+
+    rounds = [[tuple(int(i) for i in p.split("-")) for p in r.split(",") if p] for r in args.rounds.split(";") if r]
+    sizes = GPU_SIZES if gpu else CPU_SIZES
+    sweep_share = args.seconds * (0.35 if rounds else 0.9) / len(sizes)
+    sweep: list[dict[str, Any]] = []
+    skipped: list[int] = []
+    prev: tuple[int, float] | None = None
+    for nbytes in sizes:
+        got = timed(nbytes, sweep_share, None, prev)
+        if got is None:
+            skipped.append(nbytes)
+            continue
+        sweep.append(got)
+        prev = (got["bytes"], got["seconds"])
+        if rank == 0:
+            say(f"all-reduce {nbytes >> 10} KiB: {got['seconds'] * 1e3:.2f} ms x{got['iters']}")
+
+    pairs: list[dict[str, Any]] = []
+    pair_bytes = GPU_PAIR_BYTES if gpu else CPU_PAIR_BYTES
+
+    def pair_round(rnd: list[tuple[int, ...]], share: float, confirm: bool = False) -> None:
+        mine = None
+        for a, b in rnd:
+            # Every rank creates every group (new_group is collective over the world).
+            g = dist.new_group(ranks_of.get(a, []) + ranks_of.get(b, []))
+            if node in (a, b):
+                mine = (a, b, g)
+        result = None
+        if mine is not None:
+            a, b, g = mine
+            n = len(ranks_of.get(a, [])) + len(ranks_of.get(b, []))
+            got = timed(pair_bytes, share, g)
+            result = {"pair": [a, b], "ranks": n, "confirm": confirm, **(got or {})}
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            done = {tuple(r["pair"]): r for r in gathered if r}
+            for pr in done.values():
+                pairs.append(pr)
+                again = " (again)" if confirm else ""
+                say(f"pair {names[pr['pair'][0]]}-{names[pr['pair'][1]]}{again}: {pr['seconds'] * 1e3:.1f} ms")
+
+    for rnd in rounds:
+        pair_round(rnd, args.seconds * 0.4 / len(rounds))
+
+    # Suspects (best pair below spread x the nodes' upper quartile) are measured once more against
+    # the best node: a healthy node between two slow neighbours is cleared by it.
+    verdict: list[Any] = [[], -1]
+    if rank == 0 and len(ranks_of) >= 3 and pairs:
+        best: dict[int, float] = {}
+        for pr in pairs:
+            bw = pair_bytes * 8 / pr["seconds"] / 1e9 * 2 * (pr["ranks"] - 1) / pr["ranks"]
+            for x in pr["pair"]:
+                best[x] = max(best.get(x, 0.0), bw)
+        # the reference as nodeops.fabric.reference: the upper quartile of the node scores
+        upper = statistics.quantiles(list(best.values()), n=4, method="inclusive")[2]
+        ref = max(best, key=lambda x: best[x])
+        verdict = [[x for x in sorted(best) if best[x] < args.spread * upper and x != ref], ref]
+    dist.broadcast_object_list(verdict, src=0)
+    suspects, ref = verdict
+    for x in suspects:
+        pair_round([(x, ref)], args.seconds * 0.15 / len(suspects), confirm=True)
+
+    if rank == 0:
+        doc = {
+            "backend": backend, "world": world, "nodes": names,
+            "ranks_per_node": {names[k]: len(v) for k, v in sorted(ranks_of.items())},
+            "sweep": sweep, "skipped": skipped, "pairs": pairs,
+            "pair_bytes": pair_bytes if rounds else 0,
+            "env": {names[k]: v for k, v in sorted(env_of.items())},
+            "torch": torch.__version__,
+            "nccl": ".".join(map(str, torch.cuda.nccl.version())) if gpu else None,
+            "elapsed": time.monotonic() - t_start,
+        }  # fmt: skip
+        print(f"{MARKER} {json.dumps(doc, separators=(',', ':'))}", flush=True)
+    slowest(0.0)  # nobody leaves while rank 0 still prints
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

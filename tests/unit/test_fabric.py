@@ -1,0 +1,190 @@
+"""check --fabric: bandwidth arithmetic, the pair schedule, verdicts, NCCL's network lines."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from nodeops import fabric
+
+GIB = 1 << 30
+
+
+def test_bandwidth_follows_nccl_tests_definitions() -> None:
+    # nccl-tests: algbw = size / time; busbw = algbw * 2(n-1)/n for all-reduce.
+    # 1 GiB in 48.9 ms is 21.96 GB/s, i.e. 175.7 Gbit/s; on 2 ranks busbw equals algbw.
+    assert fabric.algbw_gbps(GIB, 0.0489) / 8 == pytest.approx(21.96, abs=0.01)
+    assert fabric.busbw_gbps(GIB, 0.0489, 2) == pytest.approx(fabric.algbw_gbps(GIB, 0.0489))
+    assert fabric.bus_factor(8) == pytest.approx(1.75)
+    assert fabric.bus_factor(1) == 0.0  # one rank moves nothing over a link
+    assert fabric.busbw_gbps(8 * GIB, 1.0, 4) == pytest.approx(8 * GIB * 8 / 1e9 * 1.5)
+    assert fabric.algbw_gbps(1, 0.0) == 0.0
+
+
+@pytest.mark.parametrize("n", range(0, 41))
+def test_ring_schedule_measures_each_node_twice_in_two_or_three_rounds(n: int) -> None:
+    pairs = fabric.ring_pairs(n)
+    rounds = fabric.schedule(pairs)
+    assert sorted(p for r in rounds for p in r) == sorted(pairs)  # every pair once
+    for r in rounds:  # a round's pairs share no node: they run at once without sharing a NIC
+        nodes = [x for p in r for x in p]
+        assert len(nodes) == len(set(nodes))
+    if n < 2:
+        assert pairs == [] and rounds == []
+    elif n == 2:
+        assert rounds == [[(0, 1)]]
+    else:
+        assert len(pairs) == n  # N measurements, not N^2
+        assert Counter(x for p in pairs for x in p) == {i: 2 for i in range(n)}  # both ring neighbours
+        assert len(rounds) == (2 if n % 2 == 0 else 3)
+
+
+def test_probe_argv_carries_the_schedule() -> None:
+    argv = fabric.probe_argv(["a", "b", "c", "d"], 20, 0.7, "@@HOME@@/x/fabric.py")
+    assert argv == ["@@HOME@@/x/fabric.py", "--seconds", "20", "--spread", "0.7", "--nodes", "a,b,c,d",
+                    "--rounds", "0-1,2-3;1-2,3-0"]  # fmt: skip
+    assert "--rounds" not in fabric.probe_argv(["solo"], 20, 0.7, "f.py")
+
+
+Pairs = dict[tuple[int, int], float]
+
+
+def doc(names: list[str], pair_seconds: Pairs, *, confirm: Pairs | None = None, sweep_seconds: float = 0.01,
+        world: int | None = None) -> dict[str, object]:  # fmt: skip
+    """A probe document: 4 MiB pairs of one rank per node; times in seconds."""
+    pairs = [{"pair": list(p), "ranks": 2, "seconds": t, "iters": 5} for p, t in pair_seconds.items()]
+    pairs += [
+        {"pair": list(p), "ranks": 2, "seconds": t, "iters": 5, "confirm": True} for p, t in (confirm or {}).items()
+    ]
+    return {"backend": "gloo", "world": world or len(names), "nodes": names, "pair_bytes": 4 << 20,
+            "sweep": [{"bytes": 16 << 20, "seconds": sweep_seconds, "iters": 10}], "skipped": [], "pairs": pairs,
+            "env": {n: {"GLOO_SOCKET_IFNAME": "eth0"} for n in names}, "elapsed": 3.2}  # fmt: skip
+
+
+def test_one_slow_node_of_three_is_named_and_its_neighbours_are_not() -> None:
+    # node2 throttled: both of its pairs are slow, so two of the three pairs are; the median pair
+    # is a slow one, which is why the verdict compares node scores (each node's best pair).
+    r = fabric.evaluate(doc(["node1", "node2", "node3"], {(0, 1): 1.5, (1, 2): 1.6, (2, 0): 0.01}))
+    assert [(n.name, n.verdict) for n in r.nodes] == [("node2", "slow"), ("node1", "ok"), ("node3", "ok")]
+    assert not r.ok and len(r.problems) == 1 and r.problems[0].startswith("node2: slow: its best pair reaches")
+    assert "below network.fabric.max_pair_spread 0.7" in r.problems[0]
+    assert [p.verdict for p in r.pairs] == ["slow", "slow", "ok"]  # slowest first
+    assert r.pairs[0].busbw == pytest.approx(fabric.busbw_gbps(4 << 20, 1.6, 2))
+    assert r.nodes[0].interface == "eth0 (GLOO_SOCKET_IFNAME)"
+
+
+def test_healthy_nodes_pass_within_the_spread() -> None:
+    r = fabric.evaluate(doc(["a", "b", "c", "d"], {(0, 1): 0.010, (2, 3): 0.012, (1, 2): 0.011, (3, 0): 0.013}))
+    assert r.ok and all(n.verdict == "ok" for n in r.nodes) and r.problems == []
+    assert r.to_json()["status"] == "ok"
+    json.dumps(r.to_json())  # the --json document is plain JSON
+
+
+def test_a_node_between_two_slow_ones_is_cleared_by_its_confirmation_pair() -> None:
+    # ring a-b-c-d-e: b and d throttled, so c's two ring pairs are slow too; its pair with the
+    # best node (a, measured again by the probe) is fast, so c is not named.
+    ring = {(0, 1): 1.0, (1, 2): 1.0, (2, 3): 1.0, (3, 4): 1.0, (4, 0): 0.01}
+    r = fabric.evaluate(doc(list("abcde"), ring, confirm={(1, 0): 1.0, (2, 0): 0.011, (3, 0): 1.0}))
+    assert sorted(n.name for n in r.nodes if n.verdict == "slow") == ["b", "d"]
+    without = fabric.evaluate(doc(list("abcde"), ring))
+    assert sorted(n.name for n in without.nodes if n.verdict == "slow") == ["b", "c", "d"]
+
+
+def test_two_nodes_cannot_name_one_but_a_floor_fails_the_pair() -> None:
+    r = fabric.evaluate(doc(["a", "b"], {(0, 1): 1.0}))
+    assert r.ok and any("cannot be told from its partner" in n for n in r.notes)
+    slow = fabric.evaluate(doc(["a", "b"], {(0, 1): 1.0}), min_busbw=10)
+    assert not slow.ok and {n.name for n in slow.nodes if n.verdict == "slow"} == {"a", "b"}
+    assert "below network.fabric.min_busbw_gbps 10" in slow.problems[0]
+
+
+def test_floor_on_the_all_nodes_all_reduce() -> None:
+    # 16 MiB over 3 ranks in 1 s: 0.18 Gbit/s bus bandwidth
+    r = fabric.evaluate(
+        doc(["a", "b", "c"], {(0, 1): 0.01, (1, 2): 0.01, (2, 0): 0.01}, sweep_seconds=1.0), min_busbw=1
+    )
+    assert any(p.startswith("all nodes: all-reduce of 16 MiB reaches 0.179 Gbit/s") for p in r.problems), r.problems
+    ok = fabric.evaluate(doc(["a", "b", "c"], {(0, 1): 0.01, (1, 2): 0.01, (2, 0): 0.01}), min_busbw=1)
+    assert ok.ok, ok.problems
+
+
+def test_one_node_has_only_the_all_reduce() -> None:
+    r = fabric.evaluate(doc(["solo"], {}))
+    assert r.ok and r.pairs == [] and r.nodes[0].best is None
+
+
+# Lines in the format NCCL prints with NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET (hostnames and
+# addresses made up; the shapes are NCCL 2.18-2.21's).
+SOCKET = """\
+gpu1:4101:4101 [0] NCCL INFO Bootstrap : Using eth0:10.1.0.11<0>
+gpu1:4101:4122 [0] NCCL INFO NET/IB : No device found.
+gpu1:4101:4122 [0] NCCL INFO NET/Socket : Using [0]eth0:10.1.0.11<0>
+gpu1:4101:4122 [0] NCCL INFO Using network Socket
+"""
+IB = """\
+gpu2:5202:5230 [0] NCCL INFO NCCL_SOCKET_IFNAME set by environment to bond0
+gpu2:5202:5230 [0] NCCL INFO NET/IB : Using [0]mlx5_0:1/IB [1]mlx5_1:1/IB [RO]; OOB bond0:10.2.0.12<0>
+gpu2:5202:5230 [0] NCCL INFO Using network IB
+"""
+ROCE_PLUGIN = """\
+gpu3:6303:6340 [1] NCCL INFO NET/IB : Using [0]mlx5_bond_6:1/RoCE [1]mlx5_bond_7:1/RoCE [RO]; OOB bond0:10.3.0.13<0>
+gpu3:6303:6340 [1] NCCL INFO Using network NCCL RDMA Plugin v6
+"""
+MANY_SOCKETS = "h:1:1 [0] NCCL INFO NET/Socket : Using [0]enp3s0f0:10.2.64.94<0> [1]virbr0:192.168.122.1<0>\n"
+
+
+def test_nccl_network_lines_are_read() -> None:
+    assert fabric.parse_nccl_net("[rank0]:" + line for line in SOCKET.splitlines()) == "Socket: eth0"
+    assert fabric.parse_nccl_net(IB.splitlines()) == "IB: mlx5_0:1/IB, mlx5_1:1/IB (OOB bond0)"
+    # a net plugin: its name, and the only device line NCCL printed
+    assert fabric.parse_nccl_net(ROCE_PLUGIN.splitlines()) == (
+        "NCCL RDMA Plugin v6: mlx5_bond_6:1/RoCE, mlx5_bond_7:1/RoCE (OOB bond0)"
+    )
+    assert fabric.parse_nccl_net(MANY_SOCKETS.splitlines()) == "Socket: enp3s0f0, virbr0"
+    assert fabric.parse_nccl_net(["[rank0]:fabric: gloo on 3 rank(s)"]) is None
+
+
+def test_collector_keeps_the_result_and_the_nccl_lines() -> None:
+    shown: list[tuple[str, str]] = []
+    c = fabric.Collector(lambda h, line: shown.append((h, line)))
+    for line in SOCKET.splitlines():
+        c("gpu1", "[rank0]:" + line)
+    c("gpu1", "[rank0]:fabric: all-reduce 8 KiB: 0.20 ms x20")
+    c("gpu1", '[rank0]:NODEOPS_FABRIC {"backend": "nccl"}')
+    c("gpu1", "[rank0]:Traceback (most recent call last):")
+    assert c.doc == {"backend": "nccl"}
+    assert c.interfaces() == {"gpu1": "Socket: eth0"}
+    # the probe's progress and anything unexpected are shown; NCCL's INFO chatter and the result are not
+    assert [line for _, line in shown] == ["[rank0]:fabric: all-reduce 8 KiB: 0.20 ms x20",
+                                           "[rank0]:Traceback (most recent call last):"]  # fmt: skip
+    verbose: list[tuple[str, str]] = []
+    v = fabric.Collector(lambda h, line: verbose.append((h, line)), verbose=True)
+    v("gpu1", SOCKET.splitlines()[2])
+    assert verbose == [("gpu1", SOCKET.splitlines()[2])]
+
+
+def test_interfaces_from_nccl_win_over_the_env() -> None:
+    d = doc(["gpu1", "gpu2", "gpu3"], {(0, 1): 0.01, (1, 2): 0.01, (2, 0): 0.01})
+    d["backend"] = "nccl"
+    d["env"] = {"gpu1": {"NCCL_SOCKET_IFNAME": "eth0"}, "gpu2": {}, "gpu3": {}}
+    r = fabric.evaluate(d, interfaces={"gpu2": "IB: mlx5_0:1/IB (OOB bond0)"})
+    by = {n.name: n.interface for n in r.nodes}
+    assert by == {"gpu1": "eth0 (NCCL_SOCKET_IFNAME)", "gpu2": "IB: mlx5_0:1/IB (OOB bond0)",
+                  "gpu3": "not set (the default route's)"}  # fmt: skip
+
+
+def test_spec_thresholds_are_validated_with_their_line(tmp_path: Path) -> None:
+    from nodeops.errors import SpecError
+    from nodeops.spec import load_spec
+
+    spec = tmp_path / "c.yaml"
+    spec.write_text("nodes:\n  - {address: 10.0.0.1, chief: true}\nnetwork:\n  fabric:\n    max_pair_spread: 1.5\n")
+    with pytest.raises(SpecError) as e:
+        load_spec(spec)
+    assert f"{spec}:5:" in str(e.value) and "network.fabric.max_pair_spread" in str(e.value)
+    spec.write_text("nodes:\n  - {address: 10.0.0.1, chief: true}\nnetwork: {fabric: {min_busbw_gbps: 25}}\n")
+    f = load_spec(spec).spec.network.fabric
+    assert (f.min_busbw_gbps, f.max_pair_spread) == (25, 0.7)
