@@ -6,8 +6,9 @@ spec is used throughout (a wheelhouse package, a workdir, env vars, ib off):
 
 - cold setup: the first `nodeops setup` (venv, package install, workdir copy, env files);
 - no-op setup: the second one, which must report 0 changes;
-- no-op, no mitogen: the same no-op with NODEOPS_MITOGEN=0 (only where mitogen is installed),
-  to show what mitogen's connection costs or saves at each N;
+- no-op, other conn.: the same no-op with the connection nodeops did not choose for N (mitogen
+  for up to 2 nodes, Ansible's ssh beyond; only where mitogen is installed), to show what the
+  choice buys at each N;
 - check: `nodeops check` (the full-mesh preflight);
 - launch: `nodeops launch --no-check` of a trivial script, only with --torch-wheelhouse (torch
   must be installed for torchrun; without it the row says "not run").
@@ -41,12 +42,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from nodeops import sandbox  # noqa: E402
+from nodeops import runner, sandbox  # noqa: E402
 
 NAME = "scale"
 SUBNET = "10.218.0.0/24"
 NODEOPS = [sys.executable, "-m", "nodeops"]
-NO_MITOGEN = "no-op, no mitogen"
+OTHER = "no-op, other conn."
 
 
 def mitogen_installed() -> bool:
@@ -126,8 +127,9 @@ def run_n(n: int, work: Path, wheels: Path, torch: bool, env: dict[str, str]) ->
             ("no-op setup", [*NODEOPS, "setup", str(spec)], env),
             ("check", [*NODEOPS, "check", str(spec), "--json"], env),
         ]
-        if mitogen_installed():  # the same no-op with Ansible's own ssh connection: what mitogen buys at N
-            steps.insert(2, (NO_MITOGEN, [*NODEOPS, "setup", str(spec)], {**env, "NODEOPS_MITOGEN": "0"}))
+        if mitogen_installed():  # the same no-op with the other connection: what nodeops' choice buys at N
+            flip = "0" if runner.mitogen_strategy_dir(n) else "1"
+            steps.insert(2, (OTHER, [*NODEOPS, "setup", str(spec)], {**env, "NODEOPS_MITOGEN": flip}))
         for label, argv, step_env in steps:
             say(label)
             out[label] = s = timed(argv, step_env)
@@ -157,7 +159,7 @@ def main() -> int:
         wheels = make_project(work, args.torch_wheelhouse)
         for n in args.nodes:
             results[n] = run_n(n, work, wheels, args.torch_wheelhouse is not None, env)
-    steps = ["cold setup", "no-op setup", NO_MITOGEN, "check", "launch"]
+    steps = ["cold setup", "no-op setup", OTHER, "check", "launch"]
     base_n = min(results)
     print(f"\nscale, nodes {' '.join(map(str, results))} (wall s / controller CPU s per node / wall vs {base_n} node):")
     print(f"{'step':18} " + " ".join(f"{f'N={n}':>22}" for n in results))

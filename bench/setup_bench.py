@@ -4,7 +4,7 @@
 Both sides run the same setup playbook through the same runner (ansible-runner, same
 inventory, same events); only ansible.cfg differs. "stock" is Ansible's defaults plus the
 roles path; "tuned" is what nodeops generates (pipelining, ControlPersist, forks per host,
-no implicit facts, mitogen when installed). Runs alternate, best and median are printed,
+no implicit facts, mitogen for plays of up to 2 hosts). Runs alternate, best and median are printed,
 and every timed run must report changed=0. Goals: ratio >= 2x and tuned < 10 s.
 
     python bench/setup_bench.py [--nodes 4] [--runs 3] [--keep]
@@ -70,7 +70,7 @@ def main() -> int:
             sandbox.down(NAME)
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
-    mitogen = "on" if runner.mitogen_strategy_dir() else "off"
+    mitogen = "on" if runner.mitogen_strategy_dir(args.nodes) else "off"
     print(f"\nsecond setup, {args.nodes} nodes, {args.runs} runs each (mitogen {mitogen}):")
     print(f"{'config':8} {'best s':>8} {'median s':>9}")
     for k in ("stock", "tuned"):

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MARKER = "NODEOPS_FABRIC"
+PROGRESS = "fabric: "  # the probe's own lines start so (after torchrun's [rankN]: prefix)
 DEFAULT_SPREAD = 0.7
 
 
@@ -225,7 +226,7 @@ def evaluate(
         for n in nodes:
             if n.best is not None and n.best < spread * ref:
                 n.verdict = "slow"
-                n.why = (f"its best pair reaches {n.best:.3g} Gbit/s, {n.best / ref:.0%} of the reference "
+                n.why = (f"its best pair reaches {n.best:.3g} Gbit/s, {share(n.best / ref)} of the reference "
                          f"{ref:.3g} (the nodes' upper quartile; below network.fabric.max_pair_spread "
                          f"{spread:g})")  # fmt: skip
         for p in pairs:
@@ -255,6 +256,11 @@ def evaluate(
                         notes, float(doc.get("elapsed", 0.0)), spread, min_busbw)  # fmt: skip
 
 
+def share(ratio: float) -> str:
+    """A ratio as a percentage that does not round a slow node down to 0%."""
+    return f"{ratio:.0%}" if ratio >= 0.1 else f"{ratio:.1%}" if ratio >= 0.001 else "<0.1%"
+
+
 def human_bytes(n: int) -> str:
     for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
@@ -264,8 +270,9 @@ def human_bytes(n: int) -> str:
 
 class Collector:
     """Wraps a log-line printer for the fabric run: keeps the probe's result line and each
-    host's NCCL network lines, prints the probe's own progress lines, and hides the rest
-    (NCCL's INFO chatter) unless ``verbose``."""
+    host's NCCL network lines, prints the probe's own progress lines, and hides the rest (NCCL's
+    INFO chatter, torch's warnings) unless ``verbose``. A failing run is still explained: launch
+    names the first failing host with its last lines, whatever was printed."""
 
     def __init__(self, emit: Any, verbose: bool = False) -> None:
         self.emit, self.verbose = emit, verbose
@@ -282,7 +289,7 @@ class Collector:
             return
         if "NCCL INFO" in line:
             self.nccl.setdefault(host, []).append(line)
-        if self.verbose or "fabric:" in line or "NCCL INFO" not in line:
+        if self.verbose or PROGRESS in line:
             self.emit(host, line)
 
     def interfaces(self) -> dict[str, str]:

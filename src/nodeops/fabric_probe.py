@@ -95,13 +95,25 @@ def main() -> int:
         per = slowest((time.perf_counter() - t0) / iters, group)
         return {"bytes": x.numel() * 4, "seconds": per, "iters": iters}
 
+    # Plain tensor collectives only: the *_object ones need numpy, which a job's env may lack.
+    def gather_rows(values: list[float], width: int) -> list[list[float]]:
+        t = torch.tensor(values + [0.0] * (width - len(values)), dtype=torch.float64, device=device)
+        out = [torch.zeros(width, dtype=torch.float64, device=device) for _ in range(world)]
+        dist.all_gather(out, t)
+        return [[float(v) for v in o.tolist()] for o in out]
+
+    def gather_text(text: str, width: int = 512) -> list[str]:
+        data = list(text.encode()[:width])
+        rows = gather_rows([float(b) for b in data] + [-1.0], width + 1)
+        return [bytes(int(v) for v in row[: row.index(-1.0)]).decode(errors="replace") for row in rows]
+
     # Which ranks live on which node (the rendezvous may order nodes differently from the spec).
-    where: list[Any] = [None] * world
     env = {k: os.environ[k] for k in ENV_SHOWN if k in os.environ}
-    dist.all_gather_object(where, {"node": node, "host": socket.gethostname(), "env": env})
+    where = gather_text(json.dumps({"node": node, "host": socket.gethostname(), "env": env}))
     ranks_of: dict[int, list[int]] = {}
     env_of: dict[int, dict[str, str]] = {}
-    for r, w in enumerate(where):
+    for r, text in enumerate(where):
+        w = json.loads(text)
         ranks_of.setdefault(int(w["node"]), []).append(r)
         env_of.setdefault(int(w["node"]), w["env"])
     if rank == 0:
@@ -121,7 +133,8 @@ def main() -> int:
         sweep.append(got)
         prev = (got["bytes"], got["seconds"])
         if rank == 0:
-            say(f"all-reduce {nbytes >> 10} KiB: {got['seconds'] * 1e3:.2f} ms x{got['iters']}")
+            size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+            say(f"all-reduce {size}: {got['seconds'] * 1e3:.2f} ms x{got['iters']}")
 
     pairs: list[dict[str, Any]] = []
     pair_bytes = GPU_PAIR_BYTES if gpu else CPU_PAIR_BYTES
@@ -133,27 +146,28 @@ def main() -> int:
             g = dist.new_group(ranks_of.get(a, []) + ranks_of.get(b, []))
             if node in (a, b):
                 mine = (a, b, g)
-        result = None
+        row = [-1.0, -1.0, 0.0, 0.0, 0.0]  # a, b, ranks, seconds, iters (a = -1: in no pair this round)
         if mine is not None:
             a, b, g = mine
             n = len(ranks_of.get(a, [])) + len(ranks_of.get(b, []))
             got = timed(pair_bytes, share, g)
-            result = {"pair": [a, b], "ranks": n, "confirm": confirm, **(got or {})}
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, result)
+            assert got is not None  # without prev, timed always measures
+            row = [float(a), float(b), float(n), got["seconds"], float(got["iters"])]
+        gathered = gather_rows(row, len(row))
         if rank == 0:
-            done = {tuple(r["pair"]): r for r in gathered if r}
-            for pr in done.values():
-                pairs.append(pr)
+            done = {(int(r[0]), int(r[1])): r for r in gathered if r[0] >= 0}
+            for (a, b), r in done.items():
+                pairs.append({"pair": [a, b], "ranks": int(r[2]), "seconds": r[3], "iters": int(r[4]),
+                              "confirm": confirm})  # fmt: skip
                 again = " (again)" if confirm else ""
-                say(f"pair {names[pr['pair'][0]]}-{names[pr['pair'][1]]}{again}: {pr['seconds'] * 1e3:.1f} ms")
+                say(f"pair {names[a]}-{names[b]}{again}: {r[3] * 1e3:.1f} ms")
 
     for rnd in rounds:
         pair_round(rnd, args.seconds * 0.4 / len(rounds))
 
     # Suspects (best pair below spread x the nodes' upper quartile) are measured once more against
     # the best node: a healthy node between two slow neighbours is cleared by it.
-    verdict: list[Any] = [[], -1]
+    verdict: list[int] = []  # rank 0's: the best node, then the suspects
     if rank == 0 and len(ranks_of) >= 3 and pairs:
         best: dict[int, float] = {}
         for pr in pairs:
@@ -163,9 +177,11 @@ def main() -> int:
         # the reference as nodeops.fabric.reference: the upper quartile of the node scores
         upper = statistics.quantiles(list(best.values()), n=4, method="inclusive")[2]
         ref = max(best, key=lambda x: best[x])
-        verdict = [[x for x in sorted(best) if best[x] < args.spread * upper and x != ref], ref]
-    dist.broadcast_object_list(verdict, src=0)
-    suspects, ref = verdict
+        verdict = [ref, *(x for x in sorted(best) if best[x] < args.spread * upper and x != ref)]
+    told = torch.full((len(names) + 1,), -1.0, dtype=torch.float64, device=device)
+    told[: len(verdict)] = torch.tensor([float(v) for v in verdict], dtype=torch.float64)
+    dist.broadcast(told, src=0)
+    ref, *suspects = [int(v) for v in told.tolist() if v >= 0] or [-1]
     for x in suspects:
         pair_round([(x, ref)], args.seconds * 0.15 / len(suspects), confirm=True)
 

@@ -117,13 +117,21 @@ def forks_for(n_hosts: int, fd_limit: int) -> int:
     return max(1, min(n_hosts, MAX_FORKS, by_fds))
 
 
-def mitogen_strategy_dir() -> Path | None:
-    """mitogen's strategy plugins when mitogen is installed and not switched off (NODEOPS_MITOGEN=0).
+# mitogen keeps one Python per node for the whole run, so a task costs a message instead of an
+# ssh exchange and a fresh interpreter on the node; but its per-host bootstrap and controller-side
+# routing cost more controller CPU than the ~20 tasks of a no-op setup save. Measured with
+# bench/scale_bench.py on this project's 2-core machine (no-op setup, wall s / controller CPU s):
+# 1 node 6.8/5.9 with mitogen vs 8.9/5.3 without; 4 nodes 15.0/14.3 vs 13.2/9.3; 8 nodes
+# 24.1/23.2 vs 20.1/14.1. So: mitogen only for small plays, plain ssh (pipelining, ControlPersist)
+# beyond, where the controller's CPU per node is what grows.
+MITOGEN_MAX_HOSTS = 2
 
-    On this project's 2-core test machine it cut a no-op setup of 3 nodes from ~19 s to ~13 s,
-    because each task no longer starts a fresh Python on every node.
-    """
-    if os.environ.get("NODEOPS_MITOGEN", "1") == "0":
+
+def mitogen_strategy_dir(hosts: int = 1) -> Path | None:
+    """mitogen's strategy plugins, when mitogen is installed and the play is small (at most
+    MITOGEN_MAX_HOSTS hosts); NODEOPS_MITOGEN=1 uses it for any size, NODEOPS_MITOGEN=0 never."""
+    setting = os.environ.get("NODEOPS_MITOGEN", "auto")
+    if setting == "0" or (setting != "1" and hosts > MITOGEN_MAX_HOSTS):
         return None
     spec = importlib.util.find_spec("ansible_mitogen")
     if spec is None or spec.origin is None:
@@ -221,7 +229,7 @@ def run_playbook(
     control_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     forks = forks_for(len(hosts_all), raise_fd_limit())
     (pdd / "ansible.cfg").write_text(
-        cfg if cfg is not None else ansible_cfg(forks, control_dir, mitogen_strategy_dir())
+        cfg if cfg is not None else ansible_cfg(forks, control_dir, mitogen_strategy_dir(len(hosts_all)))
     )
 
     results = {h: HostResult(h) for h in hosts_all}

@@ -48,9 +48,17 @@ def test_inventory_hosts_in_order() -> None:
     assert runner._inventory_hosts(inv) == ["a", "b", "c"]
 
 
-def test_mitogen_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mitogen_only_for_small_plays_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    installed = importlib.util.find_spec("ansible_mitogen") is not None
+    monkeypatch.delenv("NODEOPS_MITOGEN", raising=False)
+    assert (runner.mitogen_strategy_dir(runner.MITOGEN_MAX_HOSTS) is not None) == installed
+    assert runner.mitogen_strategy_dir(runner.MITOGEN_MAX_HOSTS + 1) is None
+    monkeypatch.setenv("NODEOPS_MITOGEN", "1")
+    assert (runner.mitogen_strategy_dir(64) is not None) == installed
     monkeypatch.setenv("NODEOPS_MITOGEN", "0")
-    assert runner.mitogen_strategy_dir() is None
+    assert runner.mitogen_strategy_dir(1) is None
 
 
 def test_root_cause_prefers_a_real_exit_over_a_signal_death() -> None:
