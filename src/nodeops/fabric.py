@@ -178,9 +178,17 @@ class FabricReport:
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def latency(self) -> SweepRow | None:
+        """The smallest all-reduce, when it is small enough (<= 64 KiB) to stand for latency."""
+        small = [r for r in self.sweep if r.bytes <= 64 << 10]
+        return min(small, key=lambda r: r.bytes) if small else None
+
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
         out["status"] = "ok" if self.ok else "fail"
+        lat = self.latency
+        out["latency_us"] = None if lat is None else round(lat.seconds * 1e6, 1)
         return out
 
 
@@ -320,6 +328,9 @@ def print_report(report: FabricReport) -> None:
         t = f"{r.seconds * 1e6:.0f} us" if r.seconds < 1e-3 else f"{r.seconds * 1e3:.2f} ms"
         table.add_row(human_bytes(r.bytes), t, f"{r.algbw:.3g}", f"{r.busbw:.3g}", str(r.iters))
     console.print(table)
+    lat = report.latency
+    if lat is not None:
+        console.print(f"latency (all-reduce of {human_bytes(lat.bytes)}): {lat.seconds * 1e6:.0f} us")
     if report.pairs:
         table = Table(title="fabric: node pairs (slowest first)", title_justify="left")
         for col in ("pair", "ranks", "busbw Gbit/s", "verdict"):

@@ -79,7 +79,10 @@ def test_one_slow_node_of_three_is_named_and_its_neighbours_are_not() -> None:
 def test_healthy_nodes_pass_within_the_spread() -> None:
     r = fabric.evaluate(doc(["a", "b", "c", "d"], {(0, 1): 0.010, (2, 3): 0.012, (1, 2): 0.011, (3, 0): 0.013}))
     assert r.ok and all(n.verdict == "ok" for n in r.nodes) and r.problems == []
-    assert r.to_json()["status"] == "ok"
+    assert r.to_json()["status"] == "ok" and r.to_json()["latency_us"] is None  # no size small enough
+    d = doc(["a", "b", "c"], {(0, 1): 0.01, (1, 2): 0.01, (2, 0): 0.01})
+    d["sweep"] = [{"bytes": 8 << 10, "seconds": 0.00042, "iters": 20}, *d["sweep"]]
+    assert fabric.evaluate(d).to_json()["latency_us"] == 420.0
     json.dumps(r.to_json())  # the --json document is plain JSON
 
 
