@@ -10,14 +10,18 @@ Bandwidths are in Gbit/s (what NICs are sold in). For an all-reduce of ``S`` byt
 ``t`` seconds over ``n`` ranks: algbw = S / t, busbw = algbw * 2(n-1)/n, as nccl-tests
 defines them (busbw is comparable with the link's speed whatever ``n``).
 
-Finding the slow node: each node is paired with its ring neighbours (N pairs for N nodes, in
-2 or 3 rounds of disjoint pairs that run at the same time). A slow node makes both of its pairs
+Finding the slow node: each node is paired with its ring neighbours (N pairs for N nodes; one
+at a time up to 8 nodes, beyond in 2 or 3 rounds of disjoint pairs that run at the same time,
+see :func:`pair_rounds`). A slow node makes both of its pairs
 slow, a healthy neighbour only one, so a node's score is its *best* pair. A node whose score is
-below ``max_pair_spread`` times the reference (the upper quartile of the scores, see
-:func:`reference`) is a suspect; the probe then measures each suspect once more against the
-best node, so that a healthy node between two slow ones is cleared. The reference is taken over
-node scores, not pairs: with 3 nodes one slow node makes two of the three pairs slow, and the
-median pair would be a slow one.
+below ``max_pair_spread`` times the best node's is a suspect, and the probe measures each
+suspect again against a node that is not one (fabric_probe.confirm_rounds), so that a healthy
+node between two slow ones is cleared. The verdict then compares each node's best pair, all
+measurements included, with the reference: the upper quartile of the node scores (see
+:func:`reference`). Scores are per node, not per pair: with 3 nodes one slow node makes two of
+the three pairs slow, and the median pair would be a slow one. When every ring pair holds a
+slow node (two slow nodes of three, every other node slow), no pair shows what a healthy link
+reaches, and only ``min_busbw_gbps`` can fail the fabric.
 """
 
 from __future__ import annotations
@@ -253,7 +257,7 @@ def evaluate(
         for p in pairs:
             if p.busbw < min_busbw:
                 p.verdict = "slow"
-        if sweep and sweep[-1].busbw < min_busbw:
+        if sweep and world > 1 and sweep[-1].busbw < min_busbw:  # one rank moves nothing over a link
             last = sweep[-1]
             problems.append(f"all nodes: all-reduce of {human_bytes(last.bytes)} reaches {last.busbw:.3g} Gbit/s "
                             f"bus bandwidth, below network.fabric.min_busbw_gbps {min_busbw:g}")  # fmt: skip
@@ -309,18 +313,41 @@ class Collector:
         return out
 
 
-def probe_argv(names: Sequence[str], seconds: float, spread: float, script: str) -> list[str]:
-    rounds = schedule(ring_pairs(len(names)))
-    argv = [script, "--seconds", f"{seconds:g}", "--spread", f"{spread:g}", "--nodes", ",".join(names)]
+def backend(gpus_per_node: Sequence[int]) -> str:
+    """NCCL when every node has GPUs in the (resolved) spec, else gloo for every rank: NCCL
+    cannot run on a CPU-only rank, and one backend per run is what a job gets too."""
+    return "nccl" if gpus_per_node and all(g > 0 for g in gpus_per_node) else "gloo"
+
+
+# Up to this many nodes, pairs are measured one at a time: no pair shares the fabric (or, on the
+# sandbox, the CPU) with another, so pairs that ran alone and pairs that ran together are never
+# compared (on an oversubscribed fabric a lone pair is faster, and a healthy node measured
+# together with others could be named). Beyond, disjoint pairs run at once to keep to the time.
+SEQUENTIAL_MAX_NODES = 8
+
+
+def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
+    """The ring's pairs in the order the probe runs them: one per round up to
+    SEQUENTIAL_MAX_NODES nodes, else in rounds of disjoint pairs (:func:`schedule`)."""
+    pairs = ring_pairs(n)
+    return [[p] for p in pairs] if n <= SEQUENTIAL_MAX_NODES else schedule(pairs)
+
+
+def probe_argv(names: Sequence[str], seconds: float, spread: float, script: str, backend: str) -> list[str]:
+    rounds = pair_rounds(len(names))
+    argv = [script, "--seconds", f"{seconds:g}", "--spread", f"{spread:g}", "--backend", backend,
+            "--nodes", ",".join(names)]  # fmt: skip
+    if len(names) <= SEQUENTIAL_MAX_NODES:
+        argv.append("--sequential")
     return argv + (["--rounds", rounds_arg(rounds)] if rounds else [])
 
 
-def print_report(report: FabricReport) -> None:
+def print_report(report: FabricReport, stderr: bool = False) -> None:
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console()
+    console = Console(stderr=stderr)
     table = Table(title=f"fabric: all-reduce over all {report.world} rank(s) ({report.backend})", title_justify="left")
     for col in ("size", "time", "algbw Gbit/s", "busbw Gbit/s", "runs"):
         table.add_column(col, justify="right")

@@ -1,17 +1,24 @@
 """The fabric measurement: shipped into a run's dir by `nodeops check --fabric` and started on
 every node by the normal launch machinery (torchrun, the spec's env file, Python env and
-interface settings). Needs only torch and the standard library.
+interface settings). Needs only torch and the standard library; torch is imported inside
+main(), so the planning functions below are importable (and unit-tested) without it.
 
 Every rank takes part in:
 
 1. an all-reduce over all ranks for a sweep of message sizes (each size repeated for the time
    the budget gives it; a size whose first run would overrun it is skipped and said so);
-2. rounds of node pairs (all ranks of two nodes in a group of their own), the pairs of a round
-   disjoint so they run at the same time: a ring of N nodes needs N pairs in 2 or 3 rounds.
+2. rounds of node pairs (all ranks of two nodes in a group of their own): a ring of N nodes
+   needs N pairs, one at a time (``--sequential``, up to 8 nodes) or in 2 or 3 rounds of
+   disjoint pairs that run at the same time.
+   The pairs' message size is what fits their share of the budget at the rate the sweep saw;
+3. suspects (a best pair below ``spread`` times the best node's) measured again, each against a
+   different node that was not a suspect, concurrently as far as the healthy nodes allow.
 
-Timings are the slowest rank's (a MAX all-reduce of each rank's own), as nccl-tests reports
-them. Rank 0 prints one line, ``NODEOPS_FABRIC {json}``, which the controller reads from the
-run's log; the verdict is made there (nodeops.fabric).
+Timings are the slowest rank's (a MAX all-reduce of each rank's own time; nccl-tests averages
+over ranks by default, which hides one slow rank). Decisions that must agree on every rank
+(sizes skipped, repetitions, the pair size) are made from those MAX-reduced values, so every
+rank takes the same path. Rank 0 prints one line, ``NODEOPS_FABRIC {json}``, which the
+controller reads from the run's log; the verdict is made there (nodeops.fabric).
 """
 
 from __future__ import annotations
@@ -20,7 +27,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -35,8 +41,70 @@ MAX_ITERS = 20
 ENV_SHOWN = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_DISABLE", "NCCL_NET")
 
 
+MIN_PAIR_BYTES = 64 << 10
+
+
 def say(text: str) -> None:
     print(f"fabric: {text}", flush=True)
+
+
+def pair_size(sweep: list[dict[str, Any]], share: float, cap: int) -> int:
+    """The pairs' message size: the largest power of two up to ``cap`` whose two runs (the first
+    and one timed) fit in ``share`` seconds at the all-nodes rate of the sweep's largest size (a
+    pair moves less per rank than the all-nodes all-reduce, so this errs on the short side)."""
+    if not sweep:
+        return MIN_PAIR_BYTES
+    last = sweep[-1]
+    per_byte = last["seconds"] / last["bytes"]
+    size = cap
+    while size > MIN_PAIR_BYTES and 2 * size * per_byte > share:
+        size //= 2
+    return size
+
+
+def node_best(pairs: list[dict[str, Any]], nbytes: int) -> dict[int, float]:
+    """Each node's best pair, in bus bandwidth (bytes/s; 2(n-1)/n of the algorithm bandwidth)."""
+    best: dict[int, float] = {}
+    for pr in pairs:
+        bw = nbytes / pr["seconds"] * 2 * (pr["ranks"] - 1) / pr["ranks"]
+        for x in pr["pair"]:
+            best[x] = max(best.get(x, 0.0), bw)
+    return best
+
+
+def encode_rounds(rounds: list[list[tuple[int, int]]]) -> list[int]:
+    """Rounds as flat ints, for a broadcast: [rounds, then per round: pairs, a1, b1, ...]."""
+    out = [len(rounds)]
+    for rnd in rounds:
+        out += [len(rnd), *(x for pr in rnd for x in pr)]
+    return out
+
+
+def decode_rounds(flat: list[int]) -> list[list[tuple[int, int]]]:
+    rounds, at = [], 1
+    for _ in range(flat[0]):
+        k = flat[at]
+        rounds.append([(flat[at + 1 + 2 * i], flat[at + 2 + 2 * i]) for i in range(k)])
+        at += 1 + 2 * k
+    return rounds
+
+
+def confirm_rounds(best: dict[int, float], spread: float, sequential: bool = False) -> list[list[tuple[int, int]]]:
+    """Suspects (best pair below ``spread`` times the best node's; generous on purpose: being a
+    suspect costs one more measurement, not a verdict) paired with the non-suspects, fastest
+    first, one suspect per healthy node per round, so a round's pairs are disjoint and run at
+    once, as the ring's did; with ``sequential``, one pair per round, as the ring's were. With no
+    non-suspect there is nothing to compare with: no rounds."""
+    if len(best) < 3:
+        return []
+    top = max(best.values())
+    suspects = [x for x in sorted(best) if best[x] < spread * top]
+    healthy = sorted((x for x in best if x not in suspects), key=lambda x: (-best[x], x))
+    if not suspects or not healthy:
+        return []
+    rounds = [list(zip(suspects[i : i + len(healthy)], healthy, strict=False))
+              for i in range(0, len(suspects), len(healthy))]  # fmt: skip
+    return [[p] for r in rounds for p in r] if sequential else rounds
 
 
 def main() -> int:
@@ -44,7 +112,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=40.0, help="the whole measurement's budget")
     ap.add_argument("--nodes", required=True, help="the spec's node names, comma-separated, in node-rank order")
     ap.add_argument("--rounds", default="", help="pair rounds: 'a-b,c-d;b-c,d-a' (node indexes)")
-    ap.add_argument("--spread", type=float, default=0.7, help="a node below this share of the median is a suspect")
+    ap.add_argument("--spread", type=float, default=0.7, help="below this share of the best node: a suspect")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), required=True, help="chosen from the spec, for every rank")
+    ap.add_argument("--sequential", action="store_true", help="measure suspects' pairs one at a time too")
     args = ap.parse_args()
 
     import torch
@@ -53,10 +123,16 @@ def main() -> int:
     names = args.nodes.split(",")
     node = int(os.environ["NODE_RANK"])  # job.sh's: the spec's node rank, whatever the rendezvous
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    gpu = torch.cuda.is_available() and torch.cuda.device_count() > local_rank
+    backend = args.backend
+    gpu = backend == "nccl"
     if gpu:
+        seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if seen <= local_rank:  # before any collective: launch stops every rank and names this one
+            print(f"fabric: error: {names[node]}: local rank {local_rank} needs a GPU for NCCL, torch sees "
+                  f"{seen}; the spec's gpus/nproc_per_node promise more than the node has", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            return 3
         torch.cuda.set_device(local_rank)
-    backend = "nccl" if gpu else "gloo"
     device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
     # A hung collective (a dead link) ends the run instead of holding it: the budget plus a margin.
     dist.init_process_group(backend, timeout=timedelta(seconds=args.seconds + 60))
@@ -119,7 +195,8 @@ def main() -> int:
     if rank == 0:
         say(f"{backend} on {world} rank(s) over {len(ranks_of)} node(s); budget {args.seconds:.0f}s")
 
-    rounds = [[tuple(int(i) for i in p.split("-")) for p in r.split(",") if p] for r in args.rounds.split(";") if r]
+    rounds = [[(int(a), int(b)) for a, b in (p.split("-") for p in r.split(",") if p)]
+              for r in args.rounds.split(";") if r]  # fmt: skip
     sizes = GPU_SIZES if gpu else CPU_SIZES
     sweep_share = args.seconds * (0.35 if rounds else 0.9) / len(sizes)
     sweep: list[dict[str, Any]] = []
@@ -137,9 +214,13 @@ def main() -> int:
             say(f"all-reduce {size}: {got['seconds'] * 1e3:.2f} ms x{got['iters']}")
 
     pairs: list[dict[str, Any]] = []
-    pair_bytes = GPU_PAIR_BYTES if gpu else CPU_PAIR_BYTES
+    ring_share = args.seconds * 0.4 / max(1, len(rounds))
+    pair_bytes = pair_size(sweep, ring_share, GPU_PAIR_BYTES if gpu else CPU_PAIR_BYTES)
+    if rounds and rank == 0:
+        size = f"{pair_bytes >> 20} MiB" if pair_bytes >= 1 << 20 else f"{pair_bytes >> 10} KiB"
+        say(f"node pairs: {size} all-reduces, {sum(len(r) for r in rounds)} pair(s) in {len(rounds)} round(s)")
 
-    def pair_round(rnd: list[tuple[int, ...]], share: float, confirm: bool = False) -> None:
+    def pair_round(rnd: list[tuple[int, int]], share: float, confirm: bool = False) -> None:
         mine = None
         for a, b in rnd:
             # Every rank creates every group (new_group is collective over the world).
@@ -163,27 +244,20 @@ def main() -> int:
                 say(f"pair {names[a]}-{names[b]}{again}: {r[3] * 1e3:.1f} ms")
 
     for rnd in rounds:
-        pair_round(rnd, args.seconds * 0.4 / len(rounds))
+        pair_round(rnd, ring_share)
 
-    # Suspects (best pair below spread x the nodes' upper quartile) are measured once more against
-    # the best node: a healthy node between two slow neighbours is cleared by it.
-    verdict: list[int] = []  # rank 0's: the best node, then the suspects
-    if rank == 0 and len(ranks_of) >= 3 and pairs:
-        best: dict[int, float] = {}
-        for pr in pairs:
-            bw = pair_bytes * 8 / pr["seconds"] / 1e9 * 2 * (pr["ranks"] - 1) / pr["ranks"]
-            for x in pr["pair"]:
-                best[x] = max(best.get(x, 0.0), bw)
-        # the reference as nodeops.fabric.reference: the upper quartile of the node scores
-        upper = statistics.quantiles(list(best.values()), n=4, method="inclusive")[2]
-        ref = max(best, key=lambda x: best[x])
-        verdict = [ref, *(x for x in sorted(best) if best[x] < args.spread * upper and x != ref)]
-    told = torch.full((len(names) + 1,), -1.0, dtype=torch.float64, device=device)
-    told[: len(verdict)] = torch.tensor([float(v) for v in verdict], dtype=torch.float64)
+    # Suspects are measured again against healthy nodes: a healthy node between two slow
+    # neighbours is cleared by it. Rank 0 decides (it holds every pair) and tells the others.
+    plan: list[list[tuple[int, int]]] = []
+    if rank == 0:
+        plan = confirm_rounds(node_best(pairs, pair_bytes), args.spread, args.sequential)
+    told = torch.full((4 * len(names) + 2,), -1.0, dtype=torch.float64, device=device)
+    flat = encode_rounds(plan)
+    told[: len(flat)] = torch.tensor([float(v) for v in flat], dtype=torch.float64)
     dist.broadcast(told, src=0)
-    ref, *suspects = [int(v) for v in told.tolist() if v >= 0] or [-1]
-    for x in suspects:
-        pair_round([(x, ref)], args.seconds * 0.15 / len(suspects), confirm=True)
+    plan = decode_rounds([int(v) for v in told.tolist()])
+    for rnd in plan:
+        pair_round(rnd, args.seconds * 0.15 / len(plan), confirm=True)
 
     if rank == 0:
         doc = {

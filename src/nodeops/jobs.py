@@ -553,11 +553,14 @@ _RANK_LINE = re.compile(r"^\[rank\d+\]:")
 
 def failure_lines(tail: Sequence[str]) -> tuple[list[str], list[str]]:
     """A failed host's lines split in two: what its ranks printed (up to torchrun's first
-    failure line, the last SHOWN_LINES of it, torchrun's own log lines left out), and torchrun's
-    failure report from there on (its summary, shown with -v)."""
+    failure line, the last SHOWN_LINES of it, torchrun's own log lines and NCCL's INFO lines left
+    out), and torchrun's failure report from there on (its summary, shown with -v)."""
     lines = list(tail)
     at = next((i for i, line in enumerate(lines) if P.AGENT_FAILED.search(line)), len(lines))
     # torchrun echoes the ranks' files with a delay: their `[rankN]:` lines may come after its own
     late = [line for line in lines[at:] if _RANK_LINE.match(line)]
-    own = [line for line in lines[:at] if not _AGENT_LINE.match(line)] + late
+    # NCCL_DEBUG=INFO chatter (its teardown lines included) would push the traceback out of view
+    own = [line for line in lines[:at] if not _AGENT_LINE.match(line) and "NCCL INFO" not in line] + [
+        line for line in late if "NCCL INFO" not in line
+    ]
     return own[-SHOWN_LINES:], [line for line in lines[at:] if not _RANK_LINE.match(line)]

@@ -198,6 +198,7 @@ def controller_issues(
     environ: Mapping[str, str] | None = None,
     severity: Literal["error", "warning"] = "error",
     setup: bool = False,
+    tags: Sequence[str] = (),
 ) -> list[SpecIssue]:
     """What this machine lacks for the spec, each at its field's line: an ssh key_file, an rsync
     workdir's source, with ``setup`` what only setup reads (the mesh key, the requirements file,
@@ -215,11 +216,15 @@ def controller_issues(
         if not path.is_file():
             issues.append(loaded.issue(("ssh", name, "key_file"), f"{path} does not exist on this machine",
                                        "create the key, or fix the path"))  # fmt: skip
+
     # What the roles read on the controller: found missing here, before any host is touched.
+    def runs(role: str) -> bool:  # under setup --tags: a role that does not run reads nothing
+        return setup and (not tags or role in tags or any(t in ("install", "configure", "verify") for t in tags))
+
     wanted: list[tuple[tuple[str, ...], str | None, bool, str]] = []
-    if setup:
+    if runs("ssh_mesh"):
         wanted.append((("mesh", "key_file"), spec.mesh.key_file, False, "the mesh key"))
-    if setup and spec.python is not None:
+    if runs("python_env") and spec.python is not None:
         wanted += [
             (("python", "requirements"), spec.python.requirements, False, "the requirements file"),
             (("python", "wheelhouse"), spec.python.wheelhouse, True, "the wheelhouse"),
@@ -244,12 +249,14 @@ def controller_issues(
     return [dataclasses.replace(i, severity=severity) for i in issues]
 
 
-def require_controller_files(loaded: LoadedSpec, environ: Mapping[str, str] | None = None, setup: bool = False) -> None:
+def require_controller_files(
+    loaded: LoadedSpec, environ: Mapping[str, str] | None = None, setup: bool = False, tags: Sequence[str] = ()
+) -> None:
     """Every ssh key_file (and an rsync workdir's source; with ``environ``, every from_env
     variable; with ``setup``, the files only setup reads) must exist on this machine before any
     ssh: an ssh that rides another connection, or fails with "Permission denied (publickey)",
     does not say the file is missing. A spec error (exit 2) with the field's line."""
-    issues = controller_issues(loaded, environ, setup=setup)
+    issues = controller_issues(loaded, environ, setup=setup, tags=tags)
     if issues:
         raise SpecError(issues)
 

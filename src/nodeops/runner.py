@@ -130,8 +130,10 @@ MITOGEN_MAX_HOSTS = 2
 def mitogen_strategy_dir(hosts: int = 1) -> Path | None:
     """mitogen's strategy plugins, when mitogen is installed and the play is small (at most
     MITOGEN_MAX_HOSTS hosts); NODEOPS_MITOGEN=1 uses it for any size, NODEOPS_MITOGEN=0 never."""
-    setting = os.environ.get("NODEOPS_MITOGEN", "auto")
-    if setting == "0" or (setting != "1" and hosts > MITOGEN_MAX_HOSTS):
+    setting = os.environ.get("NODEOPS_MITOGEN", "auto").strip().lower()
+    if setting in ("0", "false", "no", "off") or (
+        setting not in ("1", "true", "yes", "on") and hosts > MITOGEN_MAX_HOSTS
+    ):
         return None
     spec = importlib.util.find_spec("ansible_mitogen")
     if spec is None or spec.origin is None:

@@ -338,6 +338,8 @@ class PythonSpec(_Model):
     @field_validator("venv")
     @classmethod
     def _venv(cls, v: str | None) -> str | None:
+        if v is not None and v.rstrip("/") in ("", "~"):
+            raise _err(f"venv {v!r} would make the home dir (or /) itself the venv", "use a dir, e.g. ~/.venvs/train")
         return None if v is None else _check_path(v, "venv", absolute=True)
 
     @field_validator("interpreter")
@@ -485,8 +487,9 @@ class NetworkSpec(_Model):
     @classmethod
     def _nccl(cls, v: dict[str, str]) -> dict[str, str]:
         for k in v:
-            if not k.startswith("NCCL_"):
-                raise _err(f"{k} is not an NCCL_* variable", "put other variables under top-level `env:`")
+            if not re.fullmatch(r"NCCL_[A-Z0-9_]*", k):
+                raise _err(f"{k} is not an NCCL_* variable (NCCL's are upper case)",
+                           "put other variables under top-level `env:`")  # fmt: skip
         return v
 
 

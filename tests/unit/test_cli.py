@@ -335,6 +335,14 @@ def test_setup_names_missing_controller_inputs_before_any_host(tmp_path: Path) -
         app, ["launch", str(spec), "--dry-run", "--", "train.py"], env={"NODEOPS_HOME": str(tmp_path / "home")}
     )
     assert "wheelhouse" not in r.stderr, r.stderr
+    # a role that does not run under --tags reads nothing: only ssh_mesh's key is asked for
+    from nodeops.render import controller_issues
+    from nodeops.spec import load_spec
+
+    found = controller_issues(load_spec(spec), {}, setup=True, tags=["ssh_mesh"])
+    assert ["mesh.key_file" in str(i) for i in found] == [True], found
+    assert controller_issues(load_spec(spec), {}, setup=True, tags=["nccl_env"]) == []
+    assert len(controller_issues(load_spec(spec), {}, setup=True, tags=["install"])) == 3
 
 
 def test_setup_skips_exactly_the_roles_input_checks() -> None:
@@ -348,6 +356,57 @@ def test_setup_skips_exactly_the_roles_input_checks() -> None:
         for block in yaml.safe_load(f.read_text()) or []:
             if set(block.get("tags", [])) & tagged:
                 assert "ansible.builtin.assert" in block, (f, block.get("name"))
+
+
+# Each input rule of the roles' asserts (skipped under nodeops: --skip-tags ROLE_preflight), and
+# a spec that breaks it: nodeops must refuse every one before a host is touched. Rules that hold
+# by construction are named with why (the chief is always in the play; conda is chosen by name).
+ROLE_RULE_BREAKERS = {
+    "ssh_mesh_mode must be chief or full": "mesh: {mode: star}\n",
+    "ssh_mesh_cluster may hold only letters, digits, '.', '-' and '_'": "name: 'bad name'\n",
+    "ssh_mesh_key_source must be a file on the controller": "mesh: {key_file: ./no-such-key}\n",
+    "python_env_kind must be venv or conda": "python: {kind: pip}\n",
+    "python_env_venv_path must be absolute or start with ~/": "python: {venv: venvs/train}\n",
+    "python_env_venv_path: not the home dir itself": "python: {venv: '~'}\n",
+    "the requirements file must exist on the controller": "python: {requirements: ./no-such.txt}\n",
+    "the wheelhouse must be a directory on the controller": "python: {wheelhouse: ./no-such-dir}\n",
+    "shared_path_path must be absolute": "workdir: {path: srv/t}\n",
+    "shared_path_mode must be rsync, nfs or none": "workdir: {path: /srv/t, sync: scp}\n",
+    "rsync needs shared_path_source to be a directory": "workdir: {path: /srv/t, source: ./no-such-dir}\n",
+    "nfs needs a server and an absolute export": "workdir: {path: /srv/t, sync: nfs, nfs: {server: h, export: r}}\n",
+    "nccl_env_ib must be auto or off": "network: {ib: on}\n",
+    "nccl_env_socket_ifname must be auto or an interface name": "network: {socket_ifname: 'eth0;x'}\n",
+    "nccl_env_nccl_vars keys must be NCCL_* names": "network: {nccl: {NCCL_debug: INFO}}\n",
+    "every variable name must be a valid shell name": "env: {'1BAD': x}\n",
+}
+ROLE_RULES_BY_CONSTRUCTION = (
+    "ssh_mesh_chief must be one of the play's hosts",  # nodeops' inventory holds its chief
+    "conda needs python_env_conda_name",  # the kind is conda only when `conda:` names the env
+    # .deepspeed_env: render.deepspeed_env_vars leaves out what DeepSpeed cannot read (warned)
+    "deepspeed_env_vars names must be shell names",
+    "deepspeed_env_vars values may not hold quotes, backticks, backslashes or newlines",
+    "deepspeed_env_hosts must not be empty",  # a spec has nodes
+    "deepspeed_env_hosts must list each host once",  # addresses are unique in a spec
+)
+
+
+def test_every_role_input_rule_is_accounted_for() -> None:
+    root = Path(__file__).resolve().parents[2]
+    rules = [r for f in root.glob("roles/*/tasks/main.yml") for r in re.findall(r"^\s+rule: ", f.read_text(), re.M)]
+    # one breaker per rule (plus the venv-is-home case, which the role's regex lets through)
+    assert len(rules) == len(ROLE_RULE_BREAKERS) - 1 + len(ROLE_RULES_BY_CONSTRUCTION)
+
+
+@pytest.mark.parametrize("rule", sorted(ROLE_RULE_BREAKERS))
+def test_nodeops_refuses_what_each_skipped_role_input_check_would(tmp_path: Path, rule: str) -> None:
+    from nodeops.errors import SpecError
+    from nodeops.render import require_controller_files
+    from nodeops.spec import load_spec
+
+    spec = tmp_path / "c.yaml"
+    spec.write_text("nodes:\n  - {address: 10.9.0.1, chief: true}\n" + ROLE_RULE_BREAKERS[rule])
+    with pytest.raises(SpecError):
+        require_controller_files(load_spec(spec), {}, setup=True)
 
 
 def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:

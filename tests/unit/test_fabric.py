@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import fabric
+from nodeops import fabric, fabric_probe
 
 GIB = 1 << 30
 
@@ -43,10 +43,72 @@ def test_ring_schedule_measures_each_node_twice_in_two_or_three_rounds(n: int) -
 
 
 def test_probe_argv_carries_the_schedule() -> None:
-    argv = fabric.probe_argv(["a", "b", "c", "d"], 20, 0.7, "@@HOME@@/x/fabric.py")
-    assert argv == ["@@HOME@@/x/fabric.py", "--seconds", "20", "--spread", "0.7", "--nodes", "a,b,c,d",
-                    "--rounds", "0-1,2-3;1-2,3-0"]  # fmt: skip
-    assert "--rounds" not in fabric.probe_argv(["solo"], 20, 0.7, "f.py")
+    argv = fabric.probe_argv(["a", "b", "c", "d"], 20, 0.7, "@@HOME@@/x/fabric.py", "gloo")
+    assert argv == ["@@HOME@@/x/fabric.py", "--seconds", "20", "--spread", "0.7", "--backend", "gloo",
+                    "--nodes", "a,b,c,d", "--sequential", "--rounds", "0-1;1-2;2-3;3-0"]  # fmt: skip
+    assert "--rounds" not in fabric.probe_argv(["solo"], 20, 0.7, "f.py", "nccl")
+    big = fabric.probe_argv([f"n{i}" for i in range(10)], 20, 0.7, "f.py", "nccl")
+    assert "--sequential" not in big and big[big.index("--rounds") + 1].count(";") == 1  # 2 concurrent rounds
+
+
+def test_backend_is_one_for_the_whole_run() -> None:
+    assert fabric.backend([8, 8]) == "nccl"
+    assert fabric.backend([8, 0]) == "gloo"  # NCCL cannot run on a CPU-only rank
+    assert fabric.backend([]) == "gloo"
+
+
+def test_probe_planning_functions() -> None:
+    # importable without torch (the probe imports it inside main())
+    rounds = [[(0, 1), (2, 3)], [(1, 2)]]
+    assert fabric_probe.decode_rounds(fabric_probe.encode_rounds(rounds)) == rounds
+    assert fabric_probe.decode_rounds(fabric_probe.encode_rounds([])) == []
+    sweep = [{"bytes": 1 << 20, "seconds": 0.5}]  # 2 MB/s: a throttled link
+    assert fabric_probe.pair_size(sweep, 1.6, 4 << 20) == 1 << 20  # two runs of 1 MiB fit in 1.6 s
+    assert fabric_probe.pair_size([{"bytes": 16 << 20, "seconds": 0.02}], 2.0, 4 << 20) == 4 << 20  # capped
+    assert fabric_probe.pair_size(sweep, 0.001, 4 << 20) == fabric_probe.MIN_PAIR_BYTES
+    best = {0: 10.0, 1: 3.0, 2: 9.0, 3: 2.0, 4: 9.5}
+    assert fabric_probe.confirm_rounds(best, 0.7) == [[(1, 0), (3, 4)]]
+    assert fabric_probe.confirm_rounds(best, 0.7, sequential=True) == [[(1, 0)], [(3, 4)]]
+    assert fabric_probe.confirm_rounds({0: 1.0, 1: 1.0}, 0.7) == []  # 2 nodes: nothing to compare with
+    assert fabric_probe.confirm_rounds({0: 1.0, 1: 1.0, 2: 1.0}, 0.7) == []  # no suspect
+
+
+def named(n: int, slow: set[int], contention: float = 1.0) -> set[str]:
+    """The whole rule, as the probe and the verdict run it, on a modelled fabric: a pair with a
+    slow node runs at 0.3 of a healthy pair; a pair sharing its round with others at
+    ``contention`` of its speed alone (an oversubscribed fabric, or nodes sharing CPUs)."""
+
+    def run(rounds: list[list[tuple[int, int]]], confirm: bool) -> list[dict[str, object]]:
+        out: list[dict[str, object]] = []
+        for rnd in rounds:
+            for a, b in rnd:
+                bw = (0.3 if a in slow or b in slow else 1.0) * (contention if len(rnd) > 1 else 1.0)
+                out.append({"pair": [a, b], "ranks": 2, "seconds": 0.01 / bw, "iters": 5, "confirm": confirm})
+        return out
+
+    pairs = run(fabric.pair_rounds(n), False)
+    best = fabric_probe.node_best(pairs, 4 << 20)  # type: ignore[arg-type]
+    pairs += run(fabric_probe.confirm_rounds(best, 0.7, n <= fabric.SEQUENTIAL_MAX_NODES), True)
+    d = doc([f"n{i}" for i in range(n)], {})
+    d["pairs"] = pairs
+    return {x.name for x in fabric.evaluate(d).nodes if x.verdict != "ok"}
+
+
+@pytest.mark.parametrize(
+    ("n", "slow"),
+    [(3, {1}), (4, {2}), (5, {1, 3}), (6, {0, 2}), (8, {3}), (9, {0, 2, 4, 6}), (12, {5}), (12, {1, 2}),
+     (16, {0, 5, 10}), (32, {7})],
+)  # fmt: skip
+def test_the_slow_nodes_and_only_they_are_named(n: int, slow: set[int]) -> None:
+    assert named(n, slow) == {f"n{i}" for i in slow}
+    # pairs run together (beyond 8 nodes) on an oversubscribed fabric: still only the slow ones
+    assert named(n, slow, contention=0.6) == {f"n{i}" for i in slow}
+
+
+@pytest.mark.parametrize(("n", "slow"), [(3, {0, 1}), (4, {0, 2}), (6, {0, 2, 4})])
+def test_when_no_pair_is_healthy_only_a_floor_can_fail(n: int, slow: set[int]) -> None:
+    # every ring pair holds a slow node: no measurement shows what a healthy link reaches
+    assert named(n, slow) == set()
 
 
 Pairs = dict[tuple[int, int], float]

@@ -57,8 +57,11 @@ def test_mitogen_only_for_small_plays_unless_told(monkeypatch: pytest.MonkeyPatc
     assert runner.mitogen_strategy_dir(runner.MITOGEN_MAX_HOSTS + 1) is None
     monkeypatch.setenv("NODEOPS_MITOGEN", "1")
     assert (runner.mitogen_strategy_dir(64) is not None) == installed
-    monkeypatch.setenv("NODEOPS_MITOGEN", "0")
-    assert runner.mitogen_strategy_dir(1) is None
+    monkeypatch.setenv("NODEOPS_MITOGEN", "yes")
+    assert (runner.mitogen_strategy_dir(64) is not None) == installed
+    for off in ("0", "off", "false"):
+        monkeypatch.setenv("NODEOPS_MITOGEN", off)
+        assert runner.mitogen_strategy_dir(1) is None
 
 
 def test_root_cause_prefers_a_real_exit_over_a_signal_death() -> None:
@@ -123,6 +126,10 @@ def test_failure_lines_puts_the_ranks_own_lines_first() -> None:
     assert own == ["step 1 loss 0.5", "rank 2: failing on purpose at step 3"]
     assert summary[0].endswith("of binary: python3") and summary[-1] == "  exitcode  : 1 (pid: 1100)"
     assert failure_lines(["a", "b"]) == (["a", "b"], [])  # no torchrun: every line is the job's
+    # NCCL_DEBUG=INFO lines (teardown chatter after the traceback) never push the traceback out
+    nccl = [f"[rank1]:n2:77:90 [0] NCCL INFO comm 0x55 rank 1 nranks 2 - Abort COMPLETE {i}" for i in range(40)]
+    own, _ = failure_lines(["[rank1]:Traceback (most recent call last):", "[rank1]:ValueError: boom", *nccl])
+    assert own == ["[rank1]:Traceback (most recent call last):", "[rank1]:ValueError: boom"]
     late = failure_lines([tail[3], "[rank2]:Traceback (most recent call last):", "  exitcode  : 1"])
     assert late == (["[rank2]:Traceback (most recent call last):"], [tail[3], "  exitcode  : 1"])
     assert len(failure_lines([str(i) for i in range(100)])[0]) == 20

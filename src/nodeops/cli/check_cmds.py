@@ -141,11 +141,12 @@ def check(
         if report.worst() == "fail":
             fab_error = "not run: a check failed (the measurement needs every node reachable on the job's ports)"
         else:
-            with errors(), json_errors(as_json):
-                try:
-                    fab = run_fabric(loaded, spec, fabric_seconds, verbose)
-                except FabricError as e:
-                    fab_error = str(e)
+            from nodeops.errors import NodeopsError
+
+            try:
+                fab = run_fabric(loaded, spec, fabric_seconds, verbose)
+            except (FabricError, NodeopsError) as e:  # the check report above still stands
+                fab_error = str(e)
         code = max(code, 0 if fab is not None and fab.ok else 1)
         if not as_json:
             if fab is not None:
@@ -159,6 +160,8 @@ def check(
         if fabric:
             doc["fabric"] = fab.to_json() if fab is not None else {"status": "error", "error": fab_error}
             doc["exit_code"] = code
+            if code and doc["status"] != "fail":  # `jq -e '.status == "ok"'` must not pass a failed fabric
+                doc["status"] = "fail"
         typer.echo(json.dumps(doc, indent=2))
     raise typer.Exit(code)
 
@@ -184,9 +187,12 @@ def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, verbose: boo
     names = [s.alias(n) for n in s.ranked_nodes()]
     run_id = jobs.new_run_id()
     thresholds = s.network.fabric
-    argv = fabric.probe_argv(
-        names, seconds, thresholds.max_pair_spread, f"@@HOME@@/{jobs.remote_dir(run_id)}/fabric.py"
-    )
+    undiscovered = [s.alias(n) for n in s.nodes if n.gpus == "auto"]
+    if undiscovered:
+        raise FabricError(f"gpus: auto is not discovered yet on {', '.join(undiscovered)}: run `nodeops setup` first")
+    which = fabric.backend([len(n.gpus) if isinstance(n.gpus, list) else 0 for n in s.ranked_nodes()])
+    script = f"@@HOME@@/{jobs.remote_dir(run_id)}/fabric.py"
+    argv = fabric.probe_argv(names, seconds, thresholds.max_pair_spread, script, which)
     probe = (Path(fabric.__file__).parent / "fabric_probe.py").read_text()
     collector = fabric.Collector(lambda host, line: err(f"{host} {line}"), verbose)
     pairs = len(fabric.ring_pairs(len(names)))
@@ -200,10 +206,20 @@ def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, verbose: boo
     except typer.Exit as e:
         if e.exit_code == 130:  # Ctrl-C: the run is stopped everywhere; so is check
             raise
-        raise FabricError(f"the measurement (run {run_id}) failed with exit code {e.exit_code}; see above") from None
+        if collector.doc is None:
+            raise FabricError(
+                f"the measurement (run {run_id}) failed with exit code {e.exit_code}; see above"
+            ) from None
+        failed_after = e.exit_code  # the result was printed: judge it, and say how the run ended
+    else:
+        failed_after = 0
     if collector.doc is None:
         raise FabricError(f"the measurement (run {run_id}) ended without a result; see `nodeops logs {run_id}`")
     report = fabric.evaluate(collector.doc, spread=thresholds.max_pair_spread, min_busbw=thresholds.min_busbw_gbps,
                              interfaces=collector.interfaces())  # fmt: skip
     report.run_id = run_id
+    if failed_after:
+        report.notes.append(
+            f"the run ended with exit code {failed_after} after the measurement (nodeops logs {run_id})"
+        )
     return report

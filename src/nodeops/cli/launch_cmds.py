@@ -167,13 +167,17 @@ def run_job(
 ) -> None:
     """Start a run on every host and, unless ``detach``, follow it to its end: returns when every
     host exited 0, else raises typer.Exit with the run's exit code (after naming the first
-    failing host). ``extra_files`` go into each job host's run dir, ``extra_env`` into each
-    job's env (ssh transport only: `check --fabric` ships its probe so); ``emit`` replaces the
+    failing host). ``extra_files`` go into each job host's run dir (ssh transport only: the
+    launch role renders its own files), ``extra_env`` into each job's env (after env.sh);
+    `check --fabric` ships its probe so. ``emit`` replaces the
     prefixed printing of each log line; ``run_id`` is a fresh one (jobs.new_run_id) chosen by
     the caller, when its argv must name the run dir."""
     import dataclasses
 
     from nodeops import _launch_plan, jobs, launchers, starter
+
+    if extra_files and via != Via.ssh:
+        raise ValueError("extra_files need the ssh transport")
     from nodeops.cli.jobs_cmds import emitter
     from nodeops.render import inventory, ssh_config
     from nodeops.runner import run_playbook
@@ -289,7 +293,7 @@ def fabric_gate(loaded: LoadedSpec, spec_path: Path) -> None:
         report = run_fabric(loaded, spec_path, 30)
     except FabricError as e:
         fail(f"--fabric-check: {e}; nothing was started", EXIT_FAILURE)
-    print_report(report)
+    print_report(report, stderr=True)  # stdout is the job's (and, detached, the run id)
     if not report.ok:
         fail(f"--fabric-check failed ({'; '.join(report.problems)}); nothing was started "
              "(see network.fabric in the README to change the thresholds)", EXIT_FAILURE)  # fmt: skip

@@ -139,7 +139,7 @@ def setup(
         tag_list = [t for item in (tags or []) for t in item.split(",") if t]
         check_targets(tag_list)
         limited = resolve_limit(by_name, limit)
-        require_controller_files(loaded, os.environ, setup=True)
+        require_controller_files(loaded, os.environ, setup=True, tags=tag_list)
         if gpus.auto_nodes(loaded):  # before rendering: the hostfile's slots and nodeops_gpus need them
             loaded, found = gpus.setup_discover(loaded, limited or None)
             if found:
