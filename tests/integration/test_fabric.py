@@ -47,11 +47,16 @@ def test_fabric_passes_healthy_nodes_then_names_the_throttled_one(
     subprocess.run(["docker", "exec", node2.container, *THROTTLE], check=True, capture_output=True)
     try:
         slow = check_fabric(spec, "--json")
+        # launch --fabric-check measures first (30 s budget) and starts nothing on a slow fabric
+        gated = subprocess.run([NODEOPS, "launch", "--fabric-check", "--detach", str(spec), "train.py"],
+                               capture_output=True, text=True, timeout=300, check=False,
+                               env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
     finally:
         subprocess.run(["docker", "exec", node2.container, "tc", "qdisc", "del", "dev", "eth0", "root"], check=True)
     assert slow.returncode == 1, slow.stdout + slow.stderr
     doc = json.loads(slow.stdout)
-    assert doc["status"] in ("ok", "warn") and doc["exit_code"] == 1, doc  # the usual rows pass
+    assert doc["status"] == "fail" and doc["exit_code"] == 1, doc
+    assert all(r["status"] != "fail" for rows in doc["hosts"].values() for r in rows)  # the usual rows pass
     fab = doc["fabric"]
     assert fab["status"] == "fail" and fab["backend"] == "gloo" and fab["world"] == 3
     assert [n["name"] for n in fab["nodes"] if n["verdict"] != "ok"] == ["node2"], fab["nodes"]
@@ -65,3 +70,7 @@ def test_fabric_passes_healthy_nodes_then_names_the_throttled_one(
     assert fab["elapsed"] < 60, fab["elapsed"]  # time-boxed: well under a minute on 3 nodes
     assert no_leftovers_within(sb, 10) == CLEAN
     assert controller_leftovers(fab["run_id"]) == []
+    assert gated.returncode == 1, gated.stderr
+    assert "--fabric-check failed (node2: slow:" in gated.stderr and "nothing was started" in gated.stderr
+    assert gated.stdout == ""  # the report went to stderr; no run id: nothing was started
+    assert gated.stderr.count(": starting torchrun on") == 1  # the measurement's run, not the job's

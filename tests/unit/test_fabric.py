@@ -252,3 +252,59 @@ def test_spec_thresholds_are_validated_with_their_line(tmp_path: Path) -> None:
     spec.write_text("nodes:\n  - {address: 10.0.0.1, chief: true}\nnetwork: {fabric: {min_busbw_gbps: 25}}\n")
     f = load_spec(spec).spec.network.fabric
     assert (f.min_busbw_gbps, f.max_pair_spread) == (25, 0.7)
+
+
+def cluster_spec(tmp_path: Path) -> Path:
+    spec = tmp_path / "c.yaml"
+    spec.write_text("nodes:\n  - {address: 10.9.0.1, chief: true}\n  - {address: 10.9.0.2}\n")
+    return spec
+
+
+def fake_check(monkeypatch: pytest.MonkeyPatch, status: str) -> None:
+    """check's own rows (which need a cluster) replaced by a fixed report: this tests the CLI's
+    flow around --fabric, not the probe (tests/integration/test_fabric.py runs it for real)."""
+    from nodeops import check
+
+    rows = [check.Row(h, "ssh", status, "fixed") for h in ("10.9.0.1", "10.9.0.2")]
+    monkeypatch.setattr(check, "run", lambda *a, **k: None)
+    monkeypatch.setattr(check, "evaluate", lambda *a, **k: check.Report(rows, {}, ["10.9.0.1", "10.9.0.2"]))
+
+
+def test_fabric_is_not_run_when_a_check_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from nodeops.cli import app, check_cmds
+
+    ran: list[object] = []
+    monkeypatch.setattr(check_cmds, "run_fabric", lambda *a, **k: ran.append(a))
+    fake_check(monkeypatch, "fail")
+    r = CliRunner().invoke(app, ["check", str(cluster_spec(tmp_path)), "--fabric", "--json"],
+                           env={"NODEOPS_HOME": str(tmp_path / "home")})  # fmt: skip
+    assert r.exit_code == 1 and ran == []
+    doc = json.loads(r.stdout)
+    assert doc["status"] == "fail" and doc["fabric"]["status"] == "error"
+    assert doc["fabric"]["error"].startswith("not run: a check failed")
+
+
+def test_fabric_failure_is_exit_1_and_json_status_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from nodeops.cli import app, check_cmds
+
+    slow = fabric.evaluate(doc(["a", "b", "c"], {(0, 1): 1.0, (1, 2): 1.0, (2, 0): 0.01}))
+    monkeypatch.setattr(check_cmds, "run_fabric", lambda *a, **k: slow)
+    fake_check(monkeypatch, "ok")
+    env = {"NODEOPS_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    r = CliRunner().invoke(app, ["check", str(cluster_spec(tmp_path)), "--fabric", "--json"], env=env)
+    assert r.exit_code == 1, r.output
+    d = json.loads(r.stdout)  # pure JSON on stdout
+    assert (d["status"], d["exit_code"], d["fabric"]["status"]) == ("fail", 1, "fail")
+    r = CliRunner().invoke(app, ["check", str(cluster_spec(tmp_path)), "--fabric"], env=env)
+    assert r.exit_code == 1 and "fabric: b: slow:" in r.stdout and "fabric: fail" in r.stdout
+
+    def broken(*a: object, **k: object) -> None:
+        raise check_cmds.FabricError("the measurement (run X) failed with exit code 1; see above")
+
+    monkeypatch.setattr(check_cmds, "run_fabric", broken)
+    r = CliRunner().invoke(app, ["check", str(cluster_spec(tmp_path)), "--fabric", "--json"], env=env)
+    assert r.exit_code == 1 and json.loads(r.stdout)["fabric"]["error"].startswith("the measurement")
