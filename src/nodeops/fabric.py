@@ -150,7 +150,7 @@ class PairRow:
     ranks: int
     seconds: float
     busbw: float  # Gbit/s
-    confirm: bool = False  # a suspect measured again against the best node
+    confirm: bool = False  # a suspect measured again against a healthy node
     verdict: str = "ok"
 
 
@@ -364,7 +364,7 @@ def print_report(report: FabricReport, stderr: bool = False) -> None:
             table.add_column(col)
         for p in report.pairs:
             color = "green" if p.verdict == "ok" else "red"
-            what = f"{p.a} - {p.b}" + (" (again, vs the best node)" if p.confirm else "")
+            what = f"{p.a} - {p.b}" + (" (again, vs a healthy node)" if p.confirm else "")
             table.add_row(escape(what), str(p.ranks), f"{p.busbw:.3g}", f"[{color}]{p.verdict}[/]")
         console.print(table)
     table = Table(title="fabric: nodes (slowest first)", title_justify="left")
