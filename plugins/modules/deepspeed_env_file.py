@@ -30,8 +30,28 @@ options:
     description:
       - The C(.deepspeed_env) file, for example C(~/.deepspeed_env) or one in the launcher's working directory.
       - Created when missing.
+      - Give either O(path) and O(state_file), or O(dirs) and O(state_dir).
     type: path
-    required: true
+  dirs:
+    description:
+      - Several directories at once, each getting its C(.deepspeed_env), with its owned-keys list in O(state_dir)
+        named C(deepspeed_env.<dir>.keys), where C(<dir>) is the directory with a leading C(~) as C(home) and every
+        run of other characters than letters and digits as C(_) (the names the deepspeed_env role has always used).
+      - One call instead of one per directory. A leading C(~) is the remote user's home.
+    type: list
+    elements: str
+  state_dir:
+    description:
+      - With O(dirs), where the owned-keys lists live. Created with mode C(0700) when missing.
+    type: path
+  hostfile:
+    description:
+      - Also write DeepSpeed's hostfile here with O(hostfile_content) (only when it differs), mode O(mode) when created.
+    type: path
+  hostfile_content:
+    description:
+      - The hostfile's text, for example C(lookup('template', 'hostfile.j2')). Required with O(hostfile).
+    type: str
   vars:
     description:
       - The variables to write, name to value. Names and values are written as strings.
@@ -46,7 +66,6 @@ options:
       - Sidecar file that lists the keys this module owns in O(path), one per line.
       - Use one state file per O(path). It is created when missing and rewritten whenever the owned keys change.
     type: path
-    required: true
   mode:
     description:
       - Octal mode given to O(path) and O(state_file) when the module creates them.
@@ -79,6 +98,14 @@ EXAMPLES = r"""
     vars: "{{ deepspeed_env_vars }}"
   loop: "{{ deepspeed_env_dirs }}"
 
+- name: The hostfile and a .deepspeed_env in the home and in the workdir, in one call
+  nodeops.cluster.deepspeed_env_file:
+    dirs: ["~", /srv/train]
+    state_dir: ~/.nodeops/cluster
+    vars: {NCCL_SOCKET_IFNAME: eth0}
+    hostfile: ~/.nodeops/cluster/hostfile
+    hostfile_content: "10.0.0.1 slots=8\n10.0.0.2 slots=8\n"
+
 - name: Remove every variable we wrote before, keeping the other lines
   nodeops.cluster.deepspeed_env_file:
     path: ~/.deepspeed_env
@@ -89,9 +116,11 @@ EXAMPLES = r"""
 RETURN = r"""
 diff:
   description:
-    - The content of O(path) before and after the run, shown with C(--diff). Also computed in check mode.
+    - The content of each file written (O(path), or each O(dirs) entry's C(.deepspeed_env), and O(hostfile)) before
+      and after the run, shown with C(--diff); a list of such dicts when several files are managed. Also computed in
+      check mode.
   returned: always
-  type: dict
+  type: raw
   contains:
     before:
       description: The content of O(path) before the run (empty when it was missing).
@@ -116,6 +145,7 @@ diff:
 """
 
 import os
+import re
 import stat
 
 from ansible.module_utils.basic import AnsibleModule
@@ -142,33 +172,72 @@ def read(path):
         return ""
 
 
+def state_name(directory):
+    """The owned-keys file's name for a directory (the role's naming: ~ as home, others as _)."""
+    return "deepspeed_env.%s.keys" % re.sub(r"[^A-Za-z0-9]+", "_", re.sub(r"^~", "home", directory))
+
+
+def write_if_changed(module, target, text, mode):
+    """Write text to target when it differs; returns (changed, before). An existing file keeps
+    its mode (the user's, or an earlier run's); a new one gets ``mode``."""
+    before = read(target)
+    if before == text and os.path.exists(target):
+        return False, before
+    if not module.check_mode:
+        os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        keep = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else mode
+        atomic_write(target, text.encode("utf-8"), keep)
+    return True, before
+
+
 def main():
     module = AnsibleModule(
         argument_spec={
-            "path": {"type": "path", "required": True},
+            "path": {"type": "path"},
+            "dirs": {"type": "list", "elements": "str"},
             "vars": {"type": "dict", "required": True},
-            "state_file": {"type": "path", "required": True},
+            "state_file": {"type": "path"},
+            "state_dir": {"type": "path"},
+            "hostfile": {"type": "path"},
+            "hostfile_content": {"type": "str"},
             "mode": {"type": "str", "default": "0644"},
         },
+        required_one_of=[("path", "dirs")],
+        mutually_exclusive=[("path", "dirs"), ("state_file", "state_dir")],
+        required_together=[("path", "state_file"), ("dirs", "state_dir"), ("hostfile", "hostfile_content")],
         supports_check_mode=True,
     )
-    path, state_file = module.params["path"], module.params["state_file"]
-    ours = {str(k): str(v) for k, v in module.params["vars"].items()}
+    p = module.params
+    mode = int(p["mode"], 8)
+    ours = {str(k): str(v) for k, v in p["vars"].items()}
     for k, v in ours.items():
         if "\n" in v or "\r" in v or v != v.strip():
             module.fail_json(msg=f"{k}: DeepSpeed strips whitespace and reads one line per variable; fix the value")
-    before = read(path)
-    owned_before = [line.strip() for line in read(state_file).splitlines() if line.strip()]
-    after = merge(before, ours, owned_before)
-    owned_after = "".join(f"{k}\n" for k in ours)
-    changed = after != before or owned_after != read(state_file)
-    if changed and not module.check_mode:
-        for target, text in ((path, after), (state_file, owned_after)):
-            os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            # an existing file keeps its mode (the user's, or an earlier run's); a new one gets `mode`
-            mode = stat.S_IMODE(os.stat(target).st_mode) if os.path.exists(target) else int(module.params["mode"], 8)
-            atomic_write(target, text.encode("utf-8"), mode)
-    module.exit_json(changed=changed, diff={"before": before, "after": after, "before_header": path, "after_header": path})
+    if p["dirs"] is not None:
+        if not module.check_mode and not os.path.isdir(p["state_dir"]):
+            os.makedirs(p["state_dir"], mode=0o700, exist_ok=True)
+        # the state files are named after the dirs as given (~ unexpanded), as the role's were
+        pairs = [(os.path.join(os.path.expanduser(d), ".deepspeed_env"), os.path.join(p["state_dir"], state_name(d)))
+                 for d in p["dirs"]]  # fmt: skip
+    else:
+        pairs = [(p["path"], p["state_file"])]
+    changed, diffs = False, []
+    for path, state_file in pairs:
+        before = read(path)
+        owned_before = [line.strip() for line in read(state_file).splitlines() if line.strip()]
+        after = merge(before, ours, owned_before)
+        owned_after = "".join(f"{k}\n" for k in ours)
+        if after != before or owned_after != read(state_file):
+            changed = True
+            write_if_changed(module, path, after, mode)
+            write_if_changed(module, state_file, owned_after, mode)
+        diffs.append({"before": before, "after": after, "before_header": path, "after_header": path})
+    if p["hostfile"] is not None:
+        wrote, before = write_if_changed(module, p["hostfile"], p["hostfile_content"], mode)
+        changed = changed or wrote
+        diffs.append({"before": before, "after": p["hostfile_content"], "before_header": p["hostfile"],
+                      "after_header": p["hostfile"]})  # fmt: skip
+    module.exit_json(changed=changed, diff=diffs[0] if len(diffs) == 1 else diffs)
 
 
 if __name__ == "__main__":

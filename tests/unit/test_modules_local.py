@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -40,3 +41,34 @@ def test_deepspeed_env_file_keeps_the_users_lines_and_mode(tmp_path: Path) -> No
     assert stat.S_IMODE(path.stat().st_mode) == 0o640  # the user's mode, not the umask's
     again = play(tmp_path, [task])
     assert again.returncode == 0 and "changed=0" in again.stdout, again.stdout[-2000:]
+
+
+def test_deepspeed_env_file_writes_the_hostfile_and_every_dir_in_one_call(tmp_path: Path) -> None:
+    work, state = tmp_path / "work", tmp_path / "home" / ".nodeops" / "c1"
+    work.mkdir()
+    (work / ".deepspeed_env").write_text("USER=kept\n")
+    # the owned-keys list an earlier run (one task per dir) left: still read, so its key goes
+    (state.parent).mkdir(parents=True)
+    state.mkdir(mode=0o755)
+    (state / ("deepspeed_env." + re.sub(r"[^A-Za-z0-9]+", "_", str(work)) + ".keys")).write_text("GONE\n")
+    (work / ".deepspeed_env").write_text("USER=kept\nGONE=1\n")
+    task = {
+        "nodeops.cluster.deepspeed_env_file": {
+            "dirs": [str(work)],
+            "state_dir": str(state),
+            "vars": {"NCCL_IB_DISABLE": "1"},
+            "hostfile": str(state / "hostfile"),
+            "hostfile_content": "10.0.0.1 slots=2\n10.0.0.2 slots=1\n",
+        }
+    }
+    p = play(tmp_path, [task])
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert (work / ".deepspeed_env").read_text() == "USER=kept\nNCCL_IB_DISABLE=1\n"
+    assert (state / "hostfile").read_text() == "10.0.0.1 slots=2\n10.0.0.2 slots=1\n"
+    assert stat.S_IMODE((state / "hostfile").stat().st_mode) == 0o644
+    again = play(tmp_path, [task])
+    assert again.returncode == 0 and "changed=0" in again.stdout, again.stdout[-2000:]
+    fresh = tmp_path / "fresh"
+    task["nodeops.cluster.deepspeed_env_file"]["state_dir"] = str(fresh)  # type: ignore[index]
+    assert play(tmp_path, [task]).returncode == 0
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o700  # a state dir it creates is private
