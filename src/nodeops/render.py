@@ -8,7 +8,7 @@ name only, and their values travel to the hosts at ``setup``/``launch`` time in 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -261,13 +261,35 @@ def require_controller_files(
         raise SpecError(issues)
 
 
+def pins_digest(known_hosts: Iterable[str]) -> str:
+    """Digest of the known_hosts files a spec or inventory names, paths and contents ("": ssh's
+    default files, by name only). An ssh master checked the host key once, when it opened: a run
+    whose pins differ (another file, or a key removed from it) must open its own, never ride one
+    that another pin set let in."""
+    h = hashlib.sha256()
+    for path in sorted(set(known_hosts)):
+        if not path:  # ssh's default files: ssh's own rule (a master outlives edits to them)
+            h.update(b"\0default\0")
+            continue
+        h.update(path.encode() + b"\0")
+        try:
+            h.update(Path(path).expanduser().read_bytes())
+        except OSError:
+            h.update(b"\0missing")
+    return h.hexdigest()[:10]
+
+
 def control_tag(loaded: LoadedSpec) -> str:
-    """Short digest of the cluster and its identities: ssh masters are never shared across specs
-    or keys (a spec whose key is missing must not ride another spec's open connection)."""
+    """Short digest of the cluster, its identities and its host-key pins: ssh masters are never
+    shared across specs, keys or known_hosts (a spec whose key is missing, or whose pins differ,
+    must not ride another spec's open connection)."""
     spec = loaded.spec
     ids = sorted(f"{n}:{g.username or ''}:{controller_path(g.key_file, loaded.spec_dir) if g.key_file else ''}"
                  for n, g in spec.ssh.items())  # fmt: skip
-    return hashlib.sha256("\0".join([loaded.cluster_name, *ids]).encode()).hexdigest()[:10]
+    pins = pins_digest(
+        controller_path(g.known_hosts, loaded.spec_dir) if g.known_hosts else "" for g in spec.ssh.values()
+    )
+    return hashlib.sha256("\0".join([loaded.cluster_name, *ids, pins]).encode()).hexdigest()[:10]
 
 
 @dataclass(frozen=True)

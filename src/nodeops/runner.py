@@ -9,17 +9,19 @@ suppressed. The result is a typed summary built from rc, status and per-host sta
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import resource
 import secrets as _secrets
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,13 +176,32 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
+def connection_identity(host_vars: Iterable[Mapping[str, Any]]) -> str:
+    """Digest naming the ssh control dir of a run: users, keys, ssh args and the contents of the
+    known_hosts files those args pin (render.pins_digest)."""
+    from nodeops.render import pins_digest, ssh_args_options
+
+    ids, pins = set(), set()
+    for hv in host_vars:
+        args = f"{hv.get('ansible_ssh_common_args', '')} {hv.get('ansible_ssh_extra_args', '')}".strip()
+        ids.add(f"{hv.get('ansible_user', '')}:{hv.get('ansible_ssh_private_key_file', '')}:{args}")
+        with contextlib.suppress(ValueError):  # unbalanced quotes: Ansible says so; the args are in ids
+            pins.add(ssh_args_options(args).get("userknownhostsfile", ""))
+    return hashlib.sha256("\0".join([*sorted(ids), pins_digest(pins)]).encode()).hexdigest()[:10]
+
+
+# ssh's own reason inside Ansible's message, e.g. 'Data could not be sent to remote host "X".
+# Make sure this host can be reached over ssh: ssh: connect to host X port 22: Connection timed out'
+_SSH_REASON = re.compile(r"^(?:.*\s)?(ssh: .*|Host key verification failed.*)$")  # the last "ssh: "
+
+
 def _event_error(res: Mapping[str, Any]) -> str:
     failed_items = [r for r in res.get("results") or () if isinstance(r, Mapping) and r.get("failed")]
     if failed_items:  # a loop: each failed item's own message (an input check names only its rule)
         return "; ".join(_event_error(r) for r in failed_items)
     msg = str(res.get("msg") or "")
     # For unreachable hosts, ssh's own line ("ssh: connect to host ...: No route to host") says why.
-    ssh_lines = [line.strip() for line in msg.splitlines() if line.strip().startswith(("ssh:", "Host key"))]
+    ssh_lines = [m.group(1).strip() for m in map(_SSH_REASON.search, msg.splitlines()) if m]
     if ssh_lines:
         return ssh_lines[-1]
     if msg == "non-zero return code":  # a command or shell task: its own stderr says why
@@ -223,11 +244,9 @@ def run_playbook(
     (pdd / "nodeops.pid").write_text(f"{os.getpid()}\n")  # `nodeops clean` keeps the dir while this lives
     (pdd / "inventory").mkdir(mode=0o700)
     (pdd / "inventory" / "hosts.yml").write_text(ansible_yaml(dict(inventory)))
-    # ssh masters per identity set: runs with other keys or users never share a connection.
-    ids = sorted(
-        {f"{hv.get('ansible_user', '')}:{hv.get('ansible_ssh_private_key_file', '')}" for hv in host_vars.values()}
-    )
-    control_dir = runs_dir().parent / "cp" / hashlib.sha256("\0".join(ids).encode()).hexdigest()[:10]
+    # ssh masters per identity set: runs with other keys, users, ssh options or host-key pins never
+    # share a connection (a master checked the host key once; a run with other pins must check again).
+    control_dir = runs_dir().parent / "cp" / connection_identity(host_vars.values())
     control_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     forks = forks_for(len(hosts_all), raise_fd_limit())
     (pdd / "ansible.cfg").write_text(

@@ -421,6 +421,42 @@ def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
     c = control_path(spec_with_key(tmp_path, tmp_path / "k1", name="c2"))
     assert len({a, b, c}) == 3 and all(p.startswith("~/.ssh/nodeops-") and p.endswith("-%C") for p in (a, b, c))
     assert control_path(spec_with_key(tmp_path, tmp_path / "k1")) == a  # stable
+    # other host-key pins never ride a master that another pin set let in: the file, and its content
+    pins = tmp_path / "known_hosts"
+    pins.write_text("10.9.0.1 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOne\n")
+    spec = spec_with_key(tmp_path, tmp_path / "k1", name="pinned")
+    spec.write_text(spec.read_text().replace("key_file:", f"known_hosts: {pins}, key_file:"))
+    d = control_path(spec)
+    pins.write_text("")
+    assert control_path(spec) != d
+
+
+def test_runner_control_dir_changes_with_the_pins(tmp_path: Path) -> None:
+    from nodeops.runner import connection_identity
+
+    pins = tmp_path / "kh"
+    pins.write_text("10.9.0.1 ssh-ed25519 AAAA\n")
+    hv = {"ansible_user": "u", "ansible_ssh_private_key_file": "/k",
+          "ansible_ssh_common_args": f"-o UserKnownHostsFile={pins} -o StrictHostKeyChecking=yes"}  # fmt: skip
+    a = connection_identity([hv])
+    assert connection_identity([dict(hv)]) == a  # stable
+    pins.write_text("")  # a key removed: a new master, which checks the host key again
+    assert connection_identity([hv]) != a
+    other = tmp_path / "other"
+    other.write_text("")
+    assert connection_identity([{**hv, "ansible_ssh_common_args": f"-o UserKnownHostsFile={other}"}]) != a
+
+
+def test_unreachable_reason_is_ssh_own_line() -> None:
+    from nodeops.runner import _event_error
+
+    # Ansible's ssh connection plugin, as CI saw it for a stopped node
+    msg = ('Data could not be sent to remote host "10.214.0.13". Make sure this host can be reached over ssh: '
+           "ssh: connect to host 10.214.0.13 port 22: Connection timed out")  # fmt: skip
+    assert _event_error({"msg": msg}) == "ssh: connect to host 10.214.0.13 port 22: Connection timed out"
+    assert _event_error({"msg": "Failed to connect to the host via ssh: Host key verification failed."}) == (
+        "Host key verification failed."
+    )
 
 
 def test_check_json_with_a_bad_spec_is_json_too() -> None:
