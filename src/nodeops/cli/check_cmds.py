@@ -92,16 +92,16 @@ def check(
         bool,
         typer.Option(
             "--fabric",
-            help="After the checks pass, measure the fabric with torchrun on every node (NCCL on GPUs, "
-            "gloo without): all-reduce over all nodes for a sweep of sizes, then node pairs around a ring; "
-            "name a node whose pairs are slow. Needs torch in the nodes' env.",
+            help="After the checks pass, measure the fabric with torchrun on every node (NCCL when every "
+            "node has GPUs, else gloo): all-reduce over all nodes for a sweep of sizes, then node pairs around "
+            "a ring; name a node whose pairs are slow. Needs torch in the nodes' env.",
         ),
     ] = False,
     fabric_seconds: Annotated[
         float, typer.Option(min=5, help="Time budget of the --fabric measurement (seconds, start-up not included).")
     ] = 30,
     verbose: Annotated[
-        bool, typer.Option("--verbose", "-v", help="With --fabric: also show NCCL's INFO lines.")
+        bool, typer.Option("--verbose", "-v", help="With --fabric: show all the ranks print (NCCL's INFO lines too).")
     ] = False,
     group: GroupOpt = None,
 ) -> None:
