@@ -33,7 +33,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-MARKER = "NODEOPS_FABRIC"
+from nodeops.fabric_probe import MARKER, bus_factor, format_rounds, human_bytes, node_best
+
 PROGRESS = "fabric: "  # the probe's own lines start so (after torchrun's [rankN]: prefix)
 DEFAULT_SPREAD = 0.7
 
@@ -41,11 +42,6 @@ DEFAULT_SPREAD = 0.7
 def algbw_gbps(nbytes: float, seconds: float) -> float:
     """Algorithm bandwidth in Gbit/s: the bytes of the buffer over the time of one all-reduce."""
     return nbytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
-
-
-def bus_factor(ranks: int) -> float:
-    """nccl-tests' all-reduce factor 2(n-1)/n: each rank sends and receives that many buffers."""
-    return 2 * (ranks - 1) / ranks if ranks > 0 else 0.0
 
 
 def busbw_gbps(nbytes: float, seconds: float, ranks: int) -> float:
@@ -76,11 +72,6 @@ def schedule(pairs: Sequence[tuple[int, int]]) -> list[list[tuple[int, int]]]:
             rounds.append([(a, b)])
             busy.append({a, b})
     return rounds
-
-
-def rounds_arg(rounds: Sequence[Sequence[tuple[int, int]]]) -> str:
-    """The probe's ``--rounds``: ``0-1,2-3;1-2,3-0``."""
-    return ";".join(",".join(f"{a}-{b}" for a, b in r) for r in rounds)
 
 
 # NCCL's INFO lines about the network (NCCL_DEBUG=INFO, NCCL_DEBUG_SUBSYS=INIT,NET), e.g.
@@ -126,7 +117,8 @@ def reference(scores: Sequence[float]) -> float | None:
     """What a healthy node reaches: the upper quartile of the node scores. A slow node drags its
     two ring neighbours' pairs down too, so up to half of the scores can look slow (two slow
     nodes of five make three); the upper quartile stays on a healthy one where the median would
-    not. fabric_probe.py picks its suspects with the same rule."""
+    not. (The probe picks suspects more generously, against the best node: a suspect only costs
+    one more measurement.)"""
     if not scores:
         return None
     if len(scores) == 1:
@@ -209,9 +201,10 @@ def evaluate(
     sweep = [SweepRow(int(r["bytes"]), float(r["seconds"]), int(r["iters"]), algbw_gbps(r["bytes"], r["seconds"]),
                       busbw_gbps(r["bytes"], r["seconds"], world)) for r in doc.get("sweep", [])]  # fmt: skip
     pair_bytes = int(doc.get("pair_bytes") or 0)
+    measured = [p for p in doc.get("pairs", []) if "seconds" in p]
     pairs = [PairRow(names[p["pair"][0]], names[p["pair"][1]], int(p["ranks"]), float(p["seconds"]),
                      busbw_gbps(pair_bytes, p["seconds"], int(p["ranks"])), bool(p.get("confirm")))
-             for p in doc.get("pairs", []) if "seconds" in p]  # fmt: skip
+             for p in measured]  # fmt: skip
     env = doc.get("env") or {}
     backend = str(doc.get("backend", "?"))
 
@@ -223,10 +216,7 @@ def evaluate(
         var = "NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME"
         return f"{e[var]} ({var})" if var in e else "not set (the default route's)"
 
-    best: dict[str, float] = {}
-    for p in pairs:
-        for name in (p.a, p.b):
-            best[name] = max(best.get(name, 0.0), p.busbw)
+    best = {names[i]: bw * 8 / 1e9 for i, bw in node_best(measured, pair_bytes).items()}  # Gbit/s
     nodes = [NodeRow(n, best.get(n), iface(n)) for n in names]
     problems: list[str] = []
     notes: list[str] = []
@@ -271,13 +261,6 @@ def evaluate(
 def share(ratio: float) -> str:
     """A ratio as a percentage that does not round a slow node down to 0%."""
     return f"{ratio:.0%}" if ratio >= 0.1 else f"{ratio:.1%}" if ratio >= 0.001 else "<0.1%"
-
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:g} {unit}"
-    return f"{n} B"
 
 
 class Collector:
@@ -339,7 +322,7 @@ def probe_argv(names: Sequence[str], seconds: float, spread: float, script: str,
             "--nodes", ",".join(names)]  # fmt: skip
     if len(names) <= SEQUENTIAL_MAX_NODES:
         argv.append("--sequential")
-    return argv + (["--rounds", rounds_arg(rounds)] if rounds else [])
+    return argv + (["--rounds", format_rounds(rounds)] if rounds else [])
 
 
 def print_report(report: FabricReport, stderr: bool = False) -> None:

@@ -62,31 +62,36 @@ def pair_size(sweep: list[dict[str, Any]], share: float, cap: int) -> int:
     return size
 
 
+def bus_factor(ranks: int) -> float:
+    """nccl-tests' all-reduce factor 2(n-1)/n: each rank sends and receives that many buffers."""
+    return 2 * (ranks - 1) / ranks if ranks > 0 else 0.0
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:g} {unit}"
+    return f"{n} B"
+
+
 def node_best(pairs: list[dict[str, Any]], nbytes: int) -> dict[int, float]:
-    """Each node's best pair, in bus bandwidth (bytes/s; 2(n-1)/n of the algorithm bandwidth)."""
+    """Each node's best pair (node index -> bus bandwidth in bytes/s): a node's score, here for
+    picking suspects and in nodeops.fabric for the verdict."""
     best: dict[int, float] = {}
     for pr in pairs:
-        bw = nbytes / pr["seconds"] * 2 * (pr["ranks"] - 1) / pr["ranks"]
+        bw = nbytes / pr["seconds"] * bus_factor(pr["ranks"])
         for x in pr["pair"]:
             best[x] = max(best.get(x, 0.0), bw)
     return best
 
 
-def encode_rounds(rounds: list[list[tuple[int, int]]]) -> list[int]:
-    """Rounds as flat ints, for a broadcast: [rounds, then per round: pairs, a1, b1, ...]."""
-    out = [len(rounds)]
-    for rnd in rounds:
-        out += [len(rnd), *(x for pr in rnd for x in pr)]
-    return out
+def format_rounds(rounds: list[list[tuple[int, int]]]) -> str:
+    """Rounds of node pairs as text (``--rounds`` and the suspects' broadcast): ``0-1,2-3;1-2``."""
+    return ";".join(",".join(f"{a}-{b}" for a, b in r) for r in rounds)
 
 
-def decode_rounds(flat: list[int]) -> list[list[tuple[int, int]]]:
-    rounds, at = [], 1
-    for _ in range(flat[0]):
-        k = flat[at]
-        rounds.append([(flat[at + 1 + 2 * i], flat[at + 2 + 2 * i]) for i in range(k)])
-        at += 1 + 2 * k
-    return rounds
+def parse_rounds(text: str) -> list[list[tuple[int, int]]]:
+    return [[(int(a), int(b)) for a, b in (p.split("-") for p in r.split(",") if p)] for r in text.split(";") if r]
 
 
 def confirm_rounds(best: dict[int, float], spread: float, sequential: bool = False) -> list[list[tuple[int, int]]]:
@@ -195,8 +200,7 @@ def main() -> int:
     if rank == 0:
         say(f"{backend} on {world} rank(s) over {len(ranks_of)} node(s); budget {args.seconds:.0f}s")
 
-    rounds = [[(int(a), int(b)) for a, b in (p.split("-") for p in r.split(",") if p)]
-              for r in args.rounds.split(";") if r]  # fmt: skip
+    rounds = parse_rounds(args.rounds)
     sizes = GPU_SIZES if gpu else CPU_SIZES
     sweep_share = args.seconds * (0.35 if rounds else 0.9) / len(sizes)
     sweep: list[dict[str, Any]] = []
@@ -210,15 +214,14 @@ def main() -> int:
         sweep.append(got)
         prev = (got["bytes"], got["seconds"])
         if rank == 0:
-            size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-            say(f"all-reduce {size}: {got['seconds'] * 1e3:.2f} ms x{got['iters']}")
+            say(f"all-reduce {human_bytes(nbytes)}: {got['seconds'] * 1e3:.2f} ms x{got['iters']}")
 
     pairs: list[dict[str, Any]] = []
     ring_share = args.seconds * 0.4 / max(1, len(rounds))
     pair_bytes = pair_size(sweep, ring_share, GPU_PAIR_BYTES if gpu else CPU_PAIR_BYTES)
     if rounds and rank == 0:
-        size = f"{pair_bytes >> 20} MiB" if pair_bytes >= 1 << 20 else f"{pair_bytes >> 10} KiB"
-        say(f"node pairs: {size} all-reduces, {sum(len(r) for r in rounds)} pair(s) in {len(rounds)} round(s)")
+        pairs_n = sum(len(r) for r in rounds)
+        say(f"node pairs: {human_bytes(pair_bytes)} all-reduces, {pairs_n} pair(s) in {len(rounds)} round(s)")
 
     def pair_round(rnd: list[tuple[int, int]], share: float, confirm: bool = False) -> None:
         mine = None
@@ -251,11 +254,7 @@ def main() -> int:
     plan: list[list[tuple[int, int]]] = []
     if rank == 0:
         plan = confirm_rounds(node_best(pairs, pair_bytes), args.spread, args.sequential)
-    told = torch.full((4 * len(names) + 2,), -1.0, dtype=torch.float64, device=device)
-    flat = encode_rounds(plan)
-    told[: len(flat)] = torch.tensor([float(v) for v in flat], dtype=torch.float64)
-    dist.broadcast(told, src=0)
-    plan = decode_rounds([int(v) for v in told.tolist()])
+    plan = parse_rounds(gather_text(format_rounds(plan), width=16 * len(names) + 64)[0])  # rank 0's
     for rnd in plan:
         pair_round(rnd, args.seconds * 0.15 / len(plan), confirm=True)
 

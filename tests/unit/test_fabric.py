@@ -60,8 +60,8 @@ def test_backend_is_one_for_the_whole_run() -> None:
 def test_probe_planning_functions() -> None:
     # importable without torch (the probe imports it inside main())
     rounds = [[(0, 1), (2, 3)], [(1, 2)]]
-    assert fabric_probe.decode_rounds(fabric_probe.encode_rounds(rounds)) == rounds
-    assert fabric_probe.decode_rounds(fabric_probe.encode_rounds([])) == []
+    assert fabric_probe.parse_rounds(fabric_probe.format_rounds(rounds)) == rounds
+    assert fabric_probe.parse_rounds(fabric_probe.format_rounds([])) == []
     sweep = [{"bytes": 1 << 20, "seconds": 0.5}]  # 2 MB/s: a throttled link
     assert fabric_probe.pair_size(sweep, 1.6, 4 << 20) == 1 << 20  # two runs of 1 MiB fit in 1.6 s
     assert fabric_probe.pair_size([{"bytes": 16 << 20, "seconds": 0.02}], 2.0, 4 << 20) == 4 << 20  # capped
