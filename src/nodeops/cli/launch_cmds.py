@@ -169,21 +169,19 @@ def run_job(
     host exited 0, else raises typer.Exit with the run's exit code (after naming the first
     failing host). ``extra_files`` go into each job host's run dir (ssh transport only: the
     launch role renders its own files), ``extra_env`` into each job's env (after env.sh);
-    `check --fabric` ships its probe so. ``emit`` replaces the
-    prefixed printing of each log line; ``run_id`` is a fresh one (jobs.new_run_id) chosen by
-    the caller, when its argv must name the run dir."""
+    `check --fabric` ships its probe so. ``emit`` replaces the prefixed printing of each log
+    line; ``run_id`` is a fresh one (jobs.new_run_id) chosen by the caller, when its argv must
+    name the run dir."""
     import dataclasses
 
     from nodeops import _launch_plan, jobs, launchers, starter
-
-    if extra_files and via != Via.ssh:
-        raise ValueError("extra_files need the ssh transport")
     from nodeops.cli.jobs_cmds import emitter
     from nodeops.render import inventory, ssh_config
     from nodeops.runner import run_playbook
 
+    if extra_files and via != Via.ssh:
+        raise ValueError("extra_files need the ssh transport")
     s = loaded.spec
-    spec = spec_path
     run_id = run_id or jobs.new_run_id()
     local = jobs.jobs_dir() / run_id
     local.mkdir(mode=0o700)
@@ -198,7 +196,7 @@ def run_job(
     pdsh_hosts = addresses if s.launch.runner == "deepspeed" else {}  # pdsh's address prefixes
     chief = s.alias(s.chief)
     job = jobs.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
-                   spec=str(spec.resolve()), started=time.time(), rank_hosts=rank_hosts,
+                   spec=str(spec_path.resolve()), started=time.time(), rank_hosts=rank_hosts,
                    all_hosts=all_hosts, pdsh_hosts=pdsh_hosts)  # fmt: skip
     # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
     (local / "starting").write_text(f"{os.getpid()}\n")
