@@ -193,6 +193,24 @@ def _build_debootstrap(image: str, say: Say) -> None:
             raise SandboxError(f"docker import failed: {imp.stderr.decode(errors='replace').strip()}")
 
 
+def ensure_slurm_image(base: str, say: Say) -> str:
+    """The Slurm variant of the node image ``base`` (Debian's Slurm packages added), built once."""
+    from nodeops import sandbox_slurm as S
+
+    tag = S.image_tag(docker("image", "inspect", "--format", "{{.Id}}", base).strip())
+    if image_exists(tag):
+        return tag
+    say(f"building {tag}: Debian's {', '.join(S.PACKAGES)} on {base} (once)")
+    builder = f"nodeops-build-{os.getpid()}"
+    try:
+        docker("run", "--name", builder, "--label", f"{LABEL}.build=1", base, "bash", "-c", S.IMAGE_SETUP, timeout=900)
+        cmd_json = '["' + '", "'.join(NODE_CMD) + '"]'
+        docker("commit", "--change", f"CMD {cmd_json}", builder, tag, timeout=300)
+    finally:
+        docker("rm", "-f", builder, check=False)
+    return tag
+
+
 def ensure_image(image: str | None, build: str, say: Say) -> str:
     """Return a usable node image tag, building the default one once if needed.
 
@@ -235,6 +253,20 @@ def nodes(name: str) -> list[NodeInfo]:
     rows = [line.split("|") for line in docker("inspect", "--format", fmt, *names).splitlines() if line]
     found = [NodeInfo(name=r[1], container=r[0].lstrip("/"), state=r[2], address=r[3]) for r in rows]
     return sorted(found, key=lambda n: int(n.name.removeprefix("node") or 0))
+
+
+def volumes(name: str) -> list[str]:
+    return docker("volume", "ls", "--filter", f"label={LABEL}={name}", "--format", "{{.Name}}").split()
+
+
+def home_volume(name: str) -> str:
+    return f"nodeops-{name}-home"
+
+
+def is_slurm(name: str) -> bool:
+    """Whether the sandbox was made with --slurm (its containers carry the label)."""
+    out = docker("ps", "-a", "--filter", f"label={LABEL}={name}", "--filter", f"label={LABEL}.slurm=1", "-q")
+    return bool(out.split())
 
 
 def networks(name: str) -> list[str]:
@@ -298,13 +330,23 @@ def _authorize(container: str, pubkey: str) -> None:
     docker("exec", "-i", container, "sh", "-c", script, input=pubkey.encode())
 
 
-def spec_text(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> str:
+def spec_text(name: str, node_list: Sequence[NodeInfo], sdir: Path, slurm: bool = False) -> str:
+    """The sandbox as a resource spec. ``slurm``: only the login node (node1) is listed; the job's
+    nodes come from Slurm (``slurm.nodes``; fake GPUs 2+1+1..., asked for as a total)."""
+    from nodeops import sandbox_slurm as S
+
     lines = [
-        f"# nodeops sandbox '{name}': {len(node_list)} sshd containers on this machine.",
+        f"# nodeops sandbox '{name}': {len(node_list)} sshd containers on this machine"
+        + (" running Slurm (node1: slurmctld and the login node)." if slurm else "."),
         f"# Remove with: nodeops sandbox down --name {name}",
         f"name: {name}",
-        "nodes:",
     ]
+    if slurm:
+        gpus = sum(S.gpus_of(i) for i in range(1, len(node_list) + 1))
+        lines += ["slurm:", "  login: node1", f"  partition: {S.PARTITION}", f"  nodes: {len(node_list)}",
+                  f"  gpus: {gpus}", "  time: '00:30:00'"]  # fmt: skip
+        node_list = node_list[:1]
+    lines.append("nodes:")
     for i, node in enumerate(node_list):
         lines += [f"  - address: {node.address}", f"    name: {node.name}", "    cpus: [0]"]
         if i == 0:
@@ -390,6 +432,7 @@ def up(
     image: str | None = None,
     build: str = "auto",
     say: Say = lambda _m: None,
+    slurm: bool = False,
 ) -> Sandbox:
     """Create (or re-verify) the sandbox. On failure, remove what this call created and raise.
 
@@ -409,12 +452,25 @@ def up(
         raise SandboxError(
             f"sandbox {name!r} already has {len(existing)} node(s); run `nodeops sandbox down --name {name}` first"
         )
+    if existing and is_slurm(name) != slurm:
+        kind = "a Slurm" if not slurm else "an ssh-only"
+        raise SandboxError(f"sandbox {name!r} exists as {kind} sandbox; run `nodeops sandbox down --name {name}` first")
     created_containers: list[str] = []
     created_network = False
+    created_volume = ""
     sdir = state_dir(name)
     created_dir = not sdir.exists()
     try:
         tag = ensure_image(image, build, say)
+        extra: list[str] = []
+        if slurm:
+            tag = ensure_slurm_image(tag, say)
+            vol = home_volume(name)
+            if vol not in volumes(name):
+                docker("volume", "create", "--label", f"{LABEL}={name}", vol)
+                created_volume = vol
+            # the login user's home, shared by every node as NFS homes are on a real cluster
+            extra = ["--label", f"{LABEL}.slurm=1", "-v", f"{vol}:/home/{USER}"]
         net = network_name(name)
         if not networks(name):
             say(f"creating network {net} ({subnet})")
@@ -436,7 +492,7 @@ def up(
                 "run", "-d", "--init", "--name", cname, "--hostname", host,
                 "--network", net, "--ip", address, "--network-alias", host,
                 "--label", f"{LABEL}={name}", "--label", f"{LABEL}.node={host}",
-                "--cap-add", "NET_ADMIN", "--shm-size", "1g",
+                "--cap-add", "NET_ADMIN", "--shm-size", "1g", *extra,
                 tag, *NODE_CMD,
             )  # fmt: skip
             created_containers.append(cname)
@@ -455,8 +511,12 @@ def up(
         deadline = time.monotonic() + 60
         known: list[str] = []
 
+        if slurm:  # one shared home: authorize once, not from every node at the same time
+            _authorize(node_list[0].container, pubkey)
+
         def prepare(node: NodeInfo) -> list[str]:
-            _authorize(node.container, pubkey)
+            if not slurm:
+                _authorize(node.container, pubkey)
             keys = _host_keys(node.container, deadline)
             _wait_for_sshd(node.address, deadline)
             return [f"{node.address},{node.name} {k}" for k in keys]
@@ -466,7 +526,10 @@ def up(
                 known += lines
         (sdir / "known_hosts").write_text("\n".join(known) + "\n")
         sb = Sandbox(name=name, state_dir=sdir, nodes=node_list)
-        sb.spec_path.write_text(spec_text(name, node_list, sdir))
+        if slurm:
+            say("starting munged, slurmctld (node1) and slurmd (every node)")
+            start_slurm(name, node_list, sdir)
+        sb.spec_path.write_text(spec_text(name, node_list, sdir, slurm=slurm))
         sb.inventory_path.write_text(inventory_text(name, node_list, sdir))
         _write_ssh_config(sb)
         verify(sb)
@@ -476,6 +539,8 @@ def up(
             docker("rm", "-f", c, check=False)
         if created_network:
             docker("network", "rm", network_name(name), check=False)
+        if created_volume:
+            docker("volume", "rm", "-f", created_volume, check=False)
         if created_dir:
             shutil.rmtree(sdir, ignore_errors=True)
         if isinstance(e, NodeopsError | KeyboardInterrupt):
@@ -483,11 +548,34 @@ def up(
         raise SandboxError(f"sandbox up failed: {e}") from e
 
 
-def _write_ssh_config(sb: Sandbox) -> None:
-    from nodeops.render import ssh_config
-    from nodeops.spec import load_spec
+def start_slurm(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> None:
+    """Configure Slurm on every node and start its daemons (what is already running stays), then
+    wait until every node is idle."""
+    from nodeops import sandbox_slurm as S
 
-    sb.ssh_config.write_text(ssh_config(load_spec(sb.spec_path)))
+    key = S.munge_key(str(sdir / "munge.key"))
+    table = [(nd.name, nd.address, S.gpus_of(i)) for i, nd in enumerate(node_list, start=1)]
+    cpus = os.cpu_count() or 1
+    conf = S.slurm_conf(name, table, cpus)
+
+    def one(i: int) -> str:
+        node = node_list[i]
+        script = S.node_script(conf, S.gres_conf(table[i][2]), key, table[i][2], controller=i == 0)
+        return docker("exec", "-i", node.container, "bash", "-s", input=script.encode(), timeout=60)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(one, range(len(node_list))))
+    login = node_list[0].container
+    S.wait_idle(lambda cmd: docker("exec", "-u", USER, login, "sh", "-c", cmd, check=False), len(node_list))
+
+
+def _write_ssh_config(sb: Sandbox) -> None:
+    """Every node, also where the spec lists only the Slurm login node."""
+    from nodeops.render import ssh_config
+    from nodeops.spec import load_spec_text
+
+    text = spec_text(sb.name, sb.nodes, sb.state_dir)
+    sb.ssh_config.write_text(ssh_config(load_spec_text(text, str(sb.spec_path))))
 
 
 def verify(sb: Sandbox) -> None:
@@ -533,6 +621,9 @@ def down(name: str = DEFAULT_NAME) -> list[str]:
     for net in networks(name):
         docker("network", "rm", net)
         removed.append(f"network {net}")
+    for vol in volumes(name):
+        docker("volume", "rm", "-f", vol)
+        removed.append(f"volume {vol}")
     sdir = state_dir(name)
     if sdir.exists():
         _close_masters(sdir / "ssh_config", [nd.name for nd in nodes_before])

@@ -18,7 +18,7 @@ import os
 import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -531,6 +531,118 @@ class LaunchSpec(_Model):
         return self
 
 
+# sbatch options nodeops writes itself (the batch script's logs, signal, shape and requeue logic
+# depend on them): sbatch_extra may not set them.
+SBATCH_OWNED = frozenset({
+    "output", "error", "open-mode", "signal", "nodes", "ntasks", "ntasks-per-node", "parsable", "requeue",
+    "no-requeue", "chdir", "wrap", "gpus", "gpus-per-node", "gres", "partition", "account", "qos", "time",
+    "cpus-per-task", "mem", "constraint", "exclusive", "job-name", "export", "array", "wait",
+})  # fmt: skip
+_SBATCH_NAME = re.compile(r"[a-z][a-z0-9-]{0,40}")
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:=@%/+*&|!\[\]-]{1,200}")
+_SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}")  # M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
+_SLURM_WORD = re.compile(r"[A-Za-z0-9_.,:@%+-]{1,100}")
+
+
+def _slurm_word(value: str | None, what: str, example: str) -> str | None:
+    if value is not None and not _SLURM_WORD.fullmatch(value):
+        raise _err(f"{what} {value!r} has characters sbatch would split or a shell would read",
+                   f"use letters, digits and _ . , : @ % + -, e.g. {example}")  # fmt: skip
+    return value
+
+
+class SlurmSignal(_Model):
+    name: Literal["USR1", "USR2", "TERM", "INT", "HUP", "URG"] = Field(
+        "USR1", description="Signal sent before the time limit; torchrun forwards it to every rank."
+    )
+    seconds: Annotated[int, Field(ge=1, le=65535)] = Field(
+        120, description="How long before the time limit (Slurm may send it up to 60 s earlier)."
+    )
+
+
+class SlurmSpec(_Model):
+    """nodeops on a Slurm cluster: what `sbatch` asks for; the launch is one srun step of torchrun."""
+
+    login: str | None = Field(
+        None,
+        description="The login node: the name or address of a node under `nodes:` (reached with its ssh group). "
+        "Without it, sbatch/squeue/scancel run on this machine.",
+    )
+    partition: str | None = Field(None, description="sbatch --partition.")
+    account: str | None = Field(None, description="sbatch --account.")
+    qos: str | None = Field(None, description="sbatch --qos.")
+    time: str | None = Field(None, description="sbatch --time: MM, HH:MM:SS, D-HH or D-HH:MM:SS.")
+    nodes: Annotated[int, Field(ge=1)] = Field(1, description="sbatch --nodes: how many nodes the job gets.")
+    gpus_per_node: Annotated[int, Field(ge=0)] | None = Field(
+        None, description="sbatch --gpus-per-node; torchrun starts one rank per GPU Slurm gives a node."
+    )
+    gpus: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="sbatch --gpus: a total, for nodes with uneven GPU counts (instead of gpus_per_node)."
+    )
+    cpus_per_task: Annotated[int, Field(ge=1)] | None = Field(
+        None, description="sbatch --cpus-per-task (the torchrun task of a node: its ranks share them)."
+    )
+    mem: str | None = Field(None, description="sbatch --mem, per node, e.g. 64G.")
+    constraint: str | None = Field(None, description="sbatch --constraint, e.g. a100.")
+    exclusive: bool = Field(False, description="sbatch --exclusive.")
+    signal: SlurmSignal | None = Field(
+        None, description="Signal the job before its time limit: the batch shell forwards it to torchrun."
+    )
+    max_requeues: Annotated[int, Field(ge=0)] = Field(
+        0, description="Requeue the job up to this many times after a failure or the time-limit signal."
+    )
+    sbatch_extra: dict[str, str | int | bool] = Field(
+        default_factory=dict, description="More sbatch options, e.g. {reservation: big, begin: now+60}."
+    )
+
+    @field_validator("login")
+    @classmethod
+    def _login(cls, v: str | None) -> str | None:
+        return None if v is None else _check_host(v, "login")
+
+    @field_validator("partition", "account", "qos", "constraint")
+    @classmethod
+    def _words(cls, v: str | None) -> str | None:
+        return _slurm_word(v, "this value", "gpu")
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None and not _SLURM_TIME.fullmatch(v):
+            raise _err(f"time {v!r} is not a Slurm time limit", "use minutes (30), HH:MM:SS (02:00:00) or D-HH:MM:SS")
+        return v
+
+    @field_validator("mem")
+    @classmethod
+    def _mem(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"\d+[KMGT]?", v):
+            raise _err(f"mem {v!r} is not a Slurm memory size", "use a number with K, M, G or T, e.g. 64G")
+        return v
+
+    @field_validator("sbatch_extra")
+    @classmethod
+    def _extra(cls, v: dict[str, Any]) -> dict[str, Any]:
+        for k, value in v.items():
+            name = k.removeprefix("--")
+            if not _SBATCH_NAME.fullmatch(name):
+                raise _err(f"{k!r} is not an sbatch option name", "use the long name without value, e.g. reservation")
+            if name in SBATCH_OWNED:
+                raise _err(f"sbatch_extra may not set --{name}: nodeops writes it",
+                           "use the slurm section's own field, or leave it to nodeops")  # fmt: skip
+            if not isinstance(value, bool) and not _SBATCH_VALUE.fullmatch(str(value)):
+                raise _err(f"sbatch_extra {k}: {value!r} has spaces, quotes or other characters sbatch would split",
+                           "use a value without spaces or quotes")  # fmt: skip
+        return v
+
+    @model_validator(mode="after")
+    def _gpus(self) -> SlurmSpec:
+        if self.gpus is not None and self.gpus_per_node is not None:
+            raise _err("both gpus and gpus_per_node are given", "keep one: gpus_per_node, or gpus as a total")
+        if self.gpus is not None and self.gpus < self.nodes:
+            raise _err(f"gpus {self.gpus} is fewer than nodes {self.nodes}", "give at least one GPU per node")
+        return self
+
+
 class ResourceSpec(_Model):
     """A cluster: AutoDist's ``nodes`` and ``ssh`` plus optional nodeops sections."""
 
@@ -543,6 +655,22 @@ class ResourceSpec(_Model):
     network: NetworkSpec = Field(default_factory=NetworkSpec, description="nodeops: NCCL/GLOO settings.")
     mesh: MeshSpec = Field(default_factory=MeshSpec, description="nodeops: passwordless ssh between the nodes.")
     launch: LaunchSpec = Field(default_factory=LaunchSpec, description="nodeops: how training is started.")
+    backend: Literal["ssh", "slurm"] | None = Field(
+        None,
+        description="nodeops: 'ssh' (start ranks on `nodes:` over ssh) or 'slurm' (default: slurm when a "
+        "`slurm:` section is given, else ssh).",
+    )
+    slurm: SlurmSpec | None = Field(None, description="nodeops: submit through Slurm (sbatch/srun).")
+
+    @property
+    def on_slurm(self) -> bool:
+        return self.backend == "slurm" or (self.backend is None and self.slurm is not None)
+
+    def login_node(self) -> Node | None:
+        """The Slurm login node (from slurm.login), or None where sbatch runs on this machine."""
+        if self.slurm is None or self.slurm.login is None:
+            return None
+        return next(n for n in self.nodes if self.slurm.login in (n.name, n.address))
 
     @field_validator("name")
     @classmethod
@@ -792,6 +920,7 @@ def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[S
                 f"{address!r} is a loopback address in a {len(nodes_raw)}-node spec; other nodes cannot reach it",
                 "use an address the other nodes can reach, e.g. the host's LAN IP",
             )
+    _slurm_checks(raw, nodes, add)
     ssh_raw = raw.get("ssh")
     groups: dict[Any, Any] = ssh_raw if isinstance(ssh_raw, dict) else {}
     group_names = sorted(str(g) for g in groups)
@@ -826,6 +955,29 @@ def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[S
             )
             add(("nodes", i, "ssh_config"), f"ssh group {ref!r} is not defined under `ssh:`", fix)
     return issues
+
+
+def _slurm_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]],
+                  add: Callable[[tuple[str | int, ...], str, str], None]) -> None:  # fmt: skip
+    """backend vs the slurm section, the login node, and what Slurm runs cannot do (yet)."""
+    slurm = raw.get("slurm")
+    backend = raw.get("backend")
+    if backend == "slurm" and not isinstance(slurm, dict):
+        add(("backend",), "backend is slurm but there is no `slurm:` section",
+            "add slurm: {login: NODE, partition: ..., nodes: N}")  # fmt: skip
+    if backend == "ssh" and isinstance(slurm, dict):
+        add(("slurm",), "a `slurm:` section is given but backend is ssh", "remove one of them")
+    if not isinstance(slurm, dict) or backend == "ssh":
+        return
+    login = slurm.get("login")
+    names = [str(n.get(k)) for _, n in nodes for k in ("name", "address") if n.get(k) is not None]
+    if isinstance(login, str) and login not in names:
+        add(("slurm", "login"), f"login {login!r} is not a node under `nodes:`",
+            "add the login node under `nodes:` (with its ssh group) and name it here")  # fmt: skip
+    runner = (raw.get("launch") or {}).get("runner") if isinstance(raw.get("launch"), dict) else None
+    if runner not in (None, "torchrun"):
+        add(("launch", "runner"), f"runner {runner} is not supported on Slurm yet (only torchrun under srun)",
+            "use runner: torchrun, or backend: ssh")  # fmt: skip
 
 
 def _warnings(spec: ResourceSpec, located: Located, legacy: bool) -> list[SpecIssue]:

@@ -35,6 +35,7 @@ def _say(message: str) -> None:
 @sandbox_app.command(
     epilog=(
         "Example:\n\n    nodeops sandbox up -n 3\n\n"
+        "    nodeops sandbox up --slurm --name slurm   # a Slurm cluster: sbatch through node1\n\n"
         "    ssh -F ~/.nodeops/sandbox/nodeops/ssh_config node1 sudo true\n\n"
         "    nodeops validate ~/.nodeops/sandbox/nodeops/cluster.yaml"
     )
@@ -50,6 +51,14 @@ def up(
     ] = None,
     image: Annotated[str | None, typer.Option(help="Use your own node image (needs sshd, python3, sudo).")] = None,
     build: Annotated[Build, typer.Option(help="How to build the default image.")] = Build.auto,
+    slurm: Annotated[
+        bool,
+        typer.Option(
+            "--slurm",
+            help="Make it a Slurm cluster: Debian's slurmctld/slurmd/munge (22.05), node1 the controller and "
+            "login node, a shared home, fake GPUs (2 on node1, 1 elsewhere). The spec uses `slurm:`.",
+        ),
+    ] = False,
 ) -> None:
     """Start N sshd containers, each with its own IP, a sudo user and pinned host keys.
 
@@ -62,7 +71,7 @@ def up(
 
     with errors():
         t = time.monotonic()
-        sb = sandbox.up(name=name, n=n, subnet=subnet, image=image, build=build.value, say=_say)
+        sb = sandbox.up(name=name, n=n, subnet=subnet, image=image, build=build.value, say=_say, slurm=slurm)
         for node in sb.nodes:
             err(f"    {node.name:8} {node.address:15} {node.container}")
         err(f"==> sandbox {name!r} is up: {len(sb.nodes)} node(s), ssh checked, in {time.monotonic() - t:.1f}s")
