@@ -137,6 +137,10 @@ class Job:
     rank_hosts: list[str] = field(default_factory=list)  # mpirun: the host of each global rank
     all_hosts: list[str] = field(default_factory=list)  # every host of the spec: where stop/teardown run
     pdsh_hosts: dict[str, str] = field(default_factory=dict)  # deepspeed: pdsh's address prefix -> host
+    backend: str = "ssh"  # or "slurm": status/logs/stop go through squeue/scancel on the login node
+    slurm_job: str = ""  # the Slurm job id
+    slurm_login: str = ""  # the login node's alias in ssh_config ('' : Slurm's commands run here)
+    slurm_state: str = ""  # the last job state seen (Slurm forgets a job MinJobAge after its end)
 
     @property
     def kill_hosts(self) -> list[str]:

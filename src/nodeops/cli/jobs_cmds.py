@@ -71,6 +71,11 @@ def status(run_id: RunArg = None) -> None:
 
     with errors():
         job = jobs.find(run_id)
+        if job.backend == "slurm":
+            from nodeops.cli import slurm_cmds
+
+            slurm_cmds.status(job)
+            return
         states = jobs.host_states(job)
         for host, state in states.items():
             typer.echo(f"{host:12} {state}")
@@ -93,6 +98,11 @@ def logs(
 
     with errors():
         job = jobs.find(run_id)
+        if job.backend == "slurm":
+            from nodeops.cli import slurm_cmds
+
+            slurm_cmds.logs(job, follow)
+            return
         emit = emitter(job.rank_hosts, job.pdsh_hosts)
         if follow:
             res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit, chief=job.chief, stop_on_interrupt=False,
@@ -112,6 +122,11 @@ def stop(run_id: RunArg = None) -> None:
 
     with errors():
         job = jobs.find(run_id)
+        if job.backend == "slurm":
+            from nodeops.cli import slurm_cmds
+
+            slurm_cmds.stop(job)
+            return
         ended = jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
         if ended is not None:
             err(f"run {job.run_id} had already ended ({jobs.describe(ended)}); confirming nothing is left")

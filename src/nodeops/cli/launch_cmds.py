@@ -70,7 +70,8 @@ class ScriptCommand(TyperCommand):
         "    nodeops launch cluster.yaml --script run.sh -- --epochs 2   # run.sh calls $NODEOPS_RUNNER train.py\n\n"
         "    nodeops launch --dry-run cluster.yaml train.py   # each host's command, env and files; starts nothing\n\n"
         "    nodeops launch --fabric-check cluster.yaml train.py   # measure the links first; a slow node stops it\n\n"
-        "    nodeops launch aws_ec2.yml --group gpu -- train.py   # an Ansible inventory (here a plugin config)"
+        "    nodeops launch aws_ec2.yml --group gpu -- train.py   # an Ansible inventory (here a plugin config)\n\n"
+        "    nodeops launch slurm.yaml --attach -- train.py   # backend: slurm: sbatch, then follow the job"
     ),
 )
 def launch(
@@ -115,6 +116,14 @@ def launch(
             "node is slow or a network.fabric threshold fails.",
         ),
     ] = False,
+    attach: Annotated[
+        bool,
+        typer.Option(
+            "--attach",
+            help="Slurm: follow the job's logs until it ends (Ctrl-C cancels it); "
+            "without it, launch returns once sbatch has taken the job.",
+        ),
+    ] = False,
     group: GroupOpt = None,
 ) -> None:
     """Start training on every host: torchrun per host, or mpirun/deepspeed from the chief.
@@ -137,6 +146,20 @@ def launch(
         require_controller_files(loaded)
         if not user_argv and script is None:
             fail("error: nothing to run; give the training script, e.g. train.py", EXIT_SPEC)
+        if loaded.spec.on_slurm:
+            from nodeops.cli import slurm_cmds
+
+            slurm_cmds.refuse_options(**{"--script": script is not None, "--via ansible": via != Via.ssh,
+                                         "--fabric-check": fabric_check, "--detach": detach})  # fmt: skip
+            if dry_run:
+                slurm_cmds.dry_run(loaded, user_argv)
+                return
+            if sync:
+                sync_workdir(loaded)
+            slurm_cmds.launch(loaded, spec, user_argv, attach=attach)
+            return
+        if attach:
+            fail("error: --attach is for backend: slurm (an ssh launch follows its logs unless --detach)", EXIT_SPEC)
         if dry_run:
             for w in loaded.warnings:
                 err(str(w))

@@ -1,0 +1,220 @@
+"""`launch`, `status`, `logs` and `stop` for a spec with ``backend: slurm``: the same commands,
+through sbatch/squeue/scancel on the login node (see nodeops.slurm)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+
+from nodeops.cli.app import err, fail
+from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
+from nodeops.spec import LoadedSpec
+
+if TYPE_CHECKING:
+    from nodeops.jobs import Job
+    from nodeops.slurm import Login, Poll
+
+
+def refuse_options(**given: bool) -> None:
+    """Options of an ssh launch that have no meaning (yet) on Slurm: refused before anything runs."""
+    bad = [name for name, on in given.items() if on]
+    if bad:
+        fail(f"error: {', '.join(bad)} cannot be used with backend: slurm (nothing was run)", EXIT_SPEC)
+
+
+def dry_run(loaded: LoadedSpec, user_argv: list[str]) -> None:
+    from nodeops import slurm
+    from nodeops.quoting import sh_word
+
+    node = loaded.spec.login_node()
+    where = f"on the login node {loaded.spec.alias(node)}" if node is not None else "on this machine"
+    typer.echo(f"# {slurm.SCRIPT}, submitted {where} as:")
+    typer.echo(f"#   sbatch --parsable --output=RUN_DIR/{slurm.BATCH_LOG} RUN_DIR/{slurm.SCRIPT} "
+               + " ".join(sh_word(a) for a in user_argv))  # fmt: skip
+    typer.echo(slurm.batch_script(loaded), nl=False)
+
+
+def launch(loaded: LoadedSpec, spec_path: Path, user_argv: list[str], *, attach: bool) -> None:
+    """Submit the batch script; detached, print the run id; attached, follow it like `logs -f`
+    (Ctrl-C cancels the job) and exit with its code."""
+    import json
+
+    from nodeops import jobs, slurm
+    from nodeops.render import ssh_config
+
+    run_id = jobs.new_run_id()
+    local = jobs.jobs_dir() / run_id
+    local.mkdir(mode=0o700)
+    (local / "ssh_config").write_text(ssh_config(loaded))
+    login = _login(loaded, local / "ssh_config")
+    script = slurm.batch_script(loaded)
+    (local / slurm.SCRIPT).write_text(script)
+    t0 = time.monotonic()
+    err(f"==> run {run_id}: sbatch on {login.where} ({loaded.spec.slurm.nodes if loaded.spec.slurm else 0} node(s))")
+    try:
+        job_id = slurm.submit(login, run_id, script, user_argv)
+    except slurm.SlurmError as e:
+        fail(f"launch failed: {e}", EXIT_FAILURE)
+    job = jobs.Job(run_id=run_id, dir=local, hosts=[login.host or "localhost"], argv=user_argv, runner="torchrun",
+                   chief=login.host or "localhost", spec=str(spec_path.resolve()), started=time.time(),
+                   backend="slurm", slurm_job=job_id, slurm_login=login.host or "")  # fmt: skip
+    job.save()
+    err(f"==> submitted Slurm job {job_id} in {time.monotonic() - t0:.1f}s")
+    if not attach:
+        err(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
+        typer.echo(run_id)
+        return
+    err("==> following its logs (Ctrl-C cancels the job)")
+    from nodeops.cli.launch_cmds import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():
+        st = follow(job, cancel_on_interrupt=True)
+    (local / "result.json").write_text(json.dumps({"slurm": {"state": st.state, "exit": st.exit,
+                                                             "result": st.result}}))  # fmt: skip
+    verdict(job, st)
+
+
+def _login(loaded: LoadedSpec, cfg: Path) -> Login:
+    from nodeops import slurm
+
+    node = loaded.spec.login_node()
+    return slurm.Login(loaded.spec.alias(node) if node is not None else None, cfg)
+
+
+def login_for(job: Job) -> Login:
+    from nodeops import slurm
+
+    return slurm.Login(job.slurm_login or None, job.ssh_config)
+
+
+def follow(job: Job, *, cancel_on_interrupt: bool) -> Poll:
+    """Stream the job's logs until it ends. Ctrl-C: cancel it (attached launch) or only stop
+    following (`logs -f`), as the caller says."""
+    from nodeops import jobs, slurm
+    from nodeops.cli.jobs_cmds import emit_line
+
+    login = login_for(job)
+    fol = slurm.Follower(login, job.run_id, job.slurm_job, emit_line)
+    seen = {"state": ""}
+
+    def on_poll(st: slurm.Poll) -> None:
+        if st.state and st.state != seen["state"]:
+            seen["state"] = st.state
+            err(f"==> job {job.slurm_job}: {slurm.describe(st)}")
+            remember(job, st)
+
+    try:
+        return fol.until_end(on_poll=on_poll)
+    except KeyboardInterrupt:
+        if not cancel_on_interrupt:
+            err(f"==> stopped following; job {job.slurm_job} goes on (nodeops stop {job.run_id} cancels it)")
+            raise typer.Exit(130) from None
+        with jobs.ignoring_interrupts():
+            _st, how = cancel(job)
+        fail(f"==> run {job.run_id} interrupted: job {job.slurm_job} cancelled; {how}", 130)
+
+
+def remember(job: Job, st: Poll) -> None:
+    """Keep the last state Slurm gave (it forgets a job MinJobAge after its end)."""
+
+    import dataclasses
+
+    if st.state and st.state != job.slurm_state:
+        dataclasses.replace(job, slurm_state=st.state).save()
+
+
+def verdict(job: Job, st: Poll) -> None:
+    """Report a finished job like an ssh run: the first failing host and its last lines."""
+    from nodeops import jobs, slurm
+
+    batch = _lines(job, slurm.BATCH_LOG) if st.state != "COMPLETED" else []
+    code = slurm.exit_code(st, batch)
+    if code == 0:
+        err(f"==> run {job.run_id} finished: job {job.slurm_job} COMPLETED on {st.nodes or '?'}")
+        return
+    if st.state == "CANCELLED":
+        fail(f"==> run {job.run_id}: job {job.slurm_job} was cancelled", code)
+    sig = (st.result or {}).get("signal")
+    if sig:
+        fail(f"==> run {job.run_id}: job {job.slurm_job} got {sig} before its time limit; it was forwarded to every "
+             f"rank, and torchrun then ended them: {slurm.describe(st)}", code)  # fmt: skip
+    first = slurm.first_failure(batch)
+    if first is None:
+        for line in batch[-10:]:
+            err(f"    batch | {line}")
+        fail(f"==> run {job.run_id} {slurm.describe(st)}: no task's failure was reported", code)
+    host, rc = first
+    own, summary = jobs.failure_lines(_lines(job, f"logs/{host}.log"))
+    err(f"==> run {job.run_id} FAILED: job {job.slurm_job} {st.state}; first failure on {host} "
+        f"(exit code {rc}); its last lines:")  # fmt: skip
+    for line in own or summary:
+        err(f"    {host} {line}")
+    fail(f"==> srun stopped every other node's ranks (--kill-on-bad-exit); `nodeops logs {job.run_id}` has it all",
+         code)  # fmt: skip
+
+
+def _lines(job: Job, name: str) -> list[str]:
+    from nodeops import slurm
+
+    login = login_for(job)
+    st = slurm.poll(login, job.run_id, job.slurm_job, {}, whole=True)
+    return st.files.get(name, (0, 0, ""))[2].splitlines()[-slurm.TAIL_LINES :]
+
+
+def cancel(job: Job) -> tuple[Poll, str]:
+    """scancel; wait KillWait for the job to end; then SIGKILL whatever is left (--full)."""
+    from nodeops import slurm
+
+    login = login_for(job)
+    why = slurm.cancel(login, job.slurm_job)
+    if why:
+        return slurm.poll(login, job.run_id, job.slurm_job, {}, max_bytes=0), f"scancel failed: {why}"
+    st = slurm.wait_gone(login, job.run_id, job.slurm_job, timeout=slurm.KILL_WAIT_MAX)
+    how = "ended after scancel"
+    if st.state not in slurm.TERMINAL and st.state:
+        slurm.cancel(login, job.slurm_job, kill=True)
+        st = slurm.wait_gone(login, job.run_id, job.slurm_job, timeout=30)
+        how = "killed (scancel --signal=KILL --full)"
+    remember(job, st)
+    return st, f"{how}: {slurm.describe(st)}"
+
+
+def status(job: Job) -> None:
+    from nodeops import slurm
+
+    login = login_for(job)
+    st = slurm.poll(login, job.run_id, job.slurm_job, {}, max_bytes=0)
+    remember(job, st)
+    if not st.state and job.slurm_state:
+        st.state = job.slurm_state  # Slurm has forgotten it: the last state seen here
+    typer.echo(f"job {job.slurm_job:10} {slurm.describe(st)}")
+    if st.state and st.state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "COMPLETED", "REQUEUED",
+                                     "SUSPENDED", "RESIZING"):  # fmt: skip
+        raise typer.Exit(EXIT_FAILURE)
+
+
+def logs(job: Job, follow_: bool) -> None:
+    from nodeops import slurm
+    from nodeops.cli.jobs_cmds import emit_line
+
+    if follow_:
+        st = follow(job, cancel_on_interrupt=False)
+        verdict(job, st)
+        return
+    login = login_for(job)
+    slurm.Follower(login, job.run_id, job.slurm_job, emit_line).step(whole=True)
+
+
+def stop(job: Job) -> None:
+    from nodeops import slurm
+
+    t = time.monotonic()
+    st, how = cancel(job)
+    typer.echo(f"job {job.slurm_job:10} {slurm.describe(st)}")
+    if st.state and st.state not in slurm.TERMINAL:
+        err(f"run {job.run_id}: job {job.slurm_job} not confirmed stopped ({how})")
+        raise typer.Exit(EXIT_FAILURE)
+    err(f"run {job.run_id}: job {job.slurm_job} {how} in {time.monotonic() - t:.1f}s")

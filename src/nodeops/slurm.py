@@ -1,0 +1,319 @@
+"""nodeops on a Slurm cluster: the batch script, and submitting, watching and cancelling it.
+
+The batch script (``templates/slurm/job.sbatch.j2``) takes the training script and its arguments
+as its own arguments (``sbatch job.sbatch train.py --lr 1e-3``), so ``nodeops render`` writes the
+very file ``launch`` submits, and arguments never pass through a template. One ``srun`` step
+runs torchrun on every node (one task per node, ``--kill-on-bad-exit=1 --wait=60``), with c10d
+rendezvous on the first node's ``NodeAddr`` and a port derived from the job id.
+
+Everything runs on the login node (``slurm.login``, over the spec's ssh with pinned host keys) or
+on this machine when there is none: one ``bash -s`` per action, the script on stdin. The run dir
+(``~/.nodeops/runs/RUN`` on the login node) must be on the filesystem the nodes share; the
+batch log and one log per node (``logs/NODE.log``) are read from there.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import subprocess
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeops.errors import NodeopsError
+from nodeops.quoting import sh_path, sh_run_word, sh_word
+from nodeops.resources import data_dir
+from nodeops.spec import LoadedSpec, ResourceSpec
+
+PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN: below Linux's ephemeral range
+PORT_SPAN = 10000
+BATCH_LOG = "batch.log"
+SCRIPT = "job.sbatch"
+# Job states after which nothing of the job runs any more (squeue's long names).
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+            "PREEMPTED", "REVOKED", "SPECIAL_EXIT")  # fmt: skip
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun handles unless told
+KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
+
+
+class SlurmError(NodeopsError):
+    pass
+
+
+def sbatch_lines(spec: ResourceSpec, cluster: str) -> list[str]:
+    """The ``#SBATCH`` options, one per line, from the spec's ``slurm:`` section."""
+    s = spec.slurm
+    assert s is not None
+    out = [f"--job-name=nodeops-{cluster}", f"--nodes={s.nodes}", "--ntasks-per-node=1", "--open-mode=append"]
+    for opt, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos), ("time", s.time),
+                       ("cpus-per-task", s.cpus_per_task), ("mem", s.mem), ("constraint", s.constraint),
+                       ("gpus-per-node", s.gpus_per_node), ("gpus", s.gpus)):  # fmt: skip
+        if value is not None:
+            out.append(f"--{opt}={value}")
+    if s.exclusive:
+        out.append("--exclusive")
+    if s.signal is not None:
+        out.append(f"--signal=B:{s.signal.name}@{s.signal.seconds}")
+    out.append("--requeue" if s.max_requeues else "--no-requeue")
+    for k, v in sorted(s.sbatch_extra.items()):
+        name = k.removeprefix("--")
+        if v is True:
+            out.append(f"--{name}")
+        elif v is not False:
+            out.append(f"--{name}={v}")
+    return out
+
+
+def env_file(cluster: str) -> str:
+    return f"~/.nodeops/{cluster}/env.sh"
+
+
+def batch_script(loaded: LoadedSpec) -> str:
+    """The batch script for the spec (the same bytes for every run: the run is in its env)."""
+    import jinja2
+
+    from nodeops.render import activation
+
+    spec = loaded.spec
+    s = spec.slurm
+    assert s is not None
+    login = spec.login_node() or spec.chief
+    signals = DEFAULT_SIGNALS + (f",SIG{s.signal.name}" if s.signal and s.signal.name not in ("TERM", "INT") else "")
+    extra = "" if s.signal is None else f" --signals-to-handle={signals}"
+    env = {"PYTHONUNBUFFERED": "1", "PET_TEE": "3", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
+    j = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
+                           keep_trailing_newline=True)  # fmt: skip
+    j.filters["sh_run_word"] = sh_run_word
+    j.filters["sh_path"] = sh_path
+    tpl = j.from_string((data_dir("templates") / "slurm" / "job.sbatch.j2").read_text())
+    return str(tpl.render(
+        cluster=loaded.cluster_name, spec_file=Path(loaded.file).name, sbatch=sbatch_lines(spec, loaded.cluster_name),
+        workdir=spec.workdir.path if spec.workdir is not None else "~", env_file=env_file(loaded.cluster_name),
+        activate=activation(spec, login), env=env, signal=s.signal, max_requeues=s.max_requeues,
+        nproc=spec.launch.nproc_per_node or 1, max_restarts=spec.launch.max_restarts, torchrun_extra=extra,
+        port_base=PORT_BASE, port_span=PORT_SPAN,
+    ))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the login node
+@dataclass(frozen=True)
+class Login:
+    """Where sbatch/squeue/scancel run: over ssh (``host`` in ``ssh_config``) or on this machine."""
+
+    host: str | None
+    ssh_config: Path | None = None
+
+    def run(self, script: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """``bash -s`` with ``script`` on stdin (nothing of it on a command line)."""
+        from nodeops.jobs import ssh_argv
+
+        argv = ["bash", "-s"] if self.host is None else ssh_argv(self.ssh_config or Path(), self.host, "bash", "-s")
+        try:
+            return subprocess.run(argv, input=script, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"{self.where}: no answer within {timeout:.0f}s") from None
+
+    @property
+    def where(self) -> str:
+        return f"login node {self.host}" if self.host else "this machine"
+
+
+def run_dir_sh(run_id: str) -> str:
+    return f'"$HOME"/.nodeops/runs/{sh_word(run_id)}'
+
+
+def submit(login: Login, run_id: str, script: str, user_argv: Sequence[str]) -> str:
+    """Write the run dir and the batch script on the login node and ``sbatch --parsable`` it;
+    returns the job id. The user's arguments become the script's, quoted for the login shell."""
+    d = run_dir_sh(run_id)
+    b64 = base64.b64encode(script.encode()).decode()
+    args = " ".join(sh_word(a) for a in user_argv)
+    text = (
+        "set -eu\numask 077\n"
+        f'd={d}\nmkdir -p "$d/logs"\nchmod 700 "$d"\n'
+        f'printf %s {b64} | base64 -d > "$d/{SCRIPT}"\n'
+        "command -v sbatch >/dev/null || { echo 'sbatch is not on PATH here' >&2; exit 3; }\n"
+        f'NODEOPS_RUN_DIR="$d" NODEOPS_RUN_ID={sh_word(run_id)} '
+        f'sbatch --parsable --output="$d/{BATCH_LOG}" "$d/{SCRIPT}" {args}\n'
+    )
+    p = login.run(text)
+    job_id = p.stdout.strip().split(";")[0]
+    if p.returncode != 0 or not job_id.isdigit():
+        why = (p.stderr.strip() or p.stdout.strip() or f"exit {p.returncode}").splitlines()[-1]
+        raise SlurmError(f"sbatch failed on {login.where}: {why}")
+    return job_id
+
+
+# A reader run on the login node: the job's state and what its logs gained since last time.
+_POLL = r"""
+import json, os, subprocess
+a = json.loads(ARGS)
+d = os.path.expanduser(a["run_dir"])
+out = {"state": "", "reason": "", "exit": "", "nodes": "", "files": {}, "result": None}
+q = subprocess.run(["squeue", "-h", "-t", "all", "-j", a["job"], "-o", "%T|%r|%N"], capture_output=True, text=True)
+if q.returncode == 0 and q.stdout.strip():
+    out["state"], out["reason"], out["nodes"] = (q.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
+s = subprocess.run(["scontrol", "show", "job", "-o", a["job"]], capture_output=True, text=True)
+for kv in s.stdout.split():
+    k, _, v = kv.partition("=")
+    if k == "ExitCode":
+        out["exit"] = v
+    elif k == "JobState" and not out["state"]:
+        out["state"] = v
+    elif k == "Reason" and not out["reason"]:
+        out["reason"] = v
+names = [a["batch"]] + sorted("logs/" + f for f in os.listdir(os.path.join(d, "logs"))
+                              if f.endswith(".log")) if os.path.isdir(os.path.join(d, "logs")) else [a["batch"]]
+for name in names:
+    off = a["offsets"].get(name, 0)
+    try:
+        with open(os.path.join(d, name), "rb") as f:
+            f.seek(off)
+            data = f.read(a["max"])
+    except OSError:
+        continue
+    if not a["all"] and b"\n" in data:
+        data = data[: data.rfind(b"\n") + 1]  # whole lines only, until the job has ended
+    elif not a["all"]:
+        data = b""
+    out["files"][name] = [off, len(data), data.decode("utf-8", "replace")]
+try:
+    with open(os.path.join(d, "result.json")) as f:
+        out["result"] = json.load(f)
+except (OSError, ValueError):
+    pass
+print(json.dumps(out))
+"""
+
+
+@dataclass
+class Poll:
+    state: str  # squeue/scontrol's long name, '' when Slurm no longer knows the job
+    reason: str
+    exit: str  # scontrol's ExitCode=code:signal
+    nodes: str
+    files: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # name -> (offset, bytes, text)
+    result: dict[str, Any] | None = None
+
+
+def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_bytes: int = 1 << 20,
+         whole: bool = False) -> Poll:  # fmt: skip
+    """The job's state and each log's bytes from ``offsets`` on (whole lines, unless ``whole``)."""
+    args = json.dumps({"run_dir": f"~/.nodeops/runs/{run_id}", "job": job_id, "offsets": offsets,
+                       "batch": BATCH_LOG, "max": max_bytes, "all": whole})  # fmt: skip
+    code = _POLL.replace("json.loads(ARGS)", f"json.loads({args!r})")
+    p = login.run(f"python3 - <<'NODEOPS_POLL'\n{code}\nNODEOPS_POLL\n")
+    if p.returncode != 0:
+        raise SlurmError(f"cannot read job {job_id} on {login.where}: {(p.stderr.strip() or 'no output')[-300:]}")
+    raw = json.loads(p.stdout)
+    return Poll(state=raw["state"], reason=raw["reason"], exit=raw["exit"], nodes=raw["nodes"],
+                files={k: (int(v[0]), int(v[1]), str(v[2])) for k, v in raw["files"].items()},
+                result=raw["result"])  # fmt: skip
+
+
+def cancel(login: Login, job_id: str, *, kill: bool = False) -> str:
+    """scancel the job ('' when done); ``kill``: SIGKILL to every step and the batch shell."""
+    flags = "--signal=KILL --full " if kill else ""
+    p = login.run(f"scancel {flags}{sh_word(job_id)}")
+    return "" if p.returncode == 0 else (p.stderr.strip() or f"exit {p.returncode}")
+
+
+def wait_gone(login: Login, run_id: str, job_id: str, timeout: float) -> Poll:
+    """Poll until the job is in a final state (or Slurm forgot it), at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = poll(login, run_id, job_id, {}, max_bytes=0)
+        if st.state in TERMINAL or st.state == "" or time.monotonic() > deadline:
+            return st
+        time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------- following and verdicts
+def host_of(name: str) -> str:
+    """The log file's host: ``logs/node2.log`` is node2's; the batch log is ``batch``'s."""
+    return "batch" if name == BATCH_LOG else Path(name).stem
+
+
+class Follower:
+    """Reads a job's logs from where it left off, emitting each new line with its host, and keeps
+    every host's last lines (for the failure report)."""
+
+    def __init__(self, login: Login, run_id: str, job_id: str, emit: Callable[[str, str], None] | None) -> None:
+        self.login, self.run_id, self.job_id, self.emit = login, run_id, job_id, emit
+        self.offsets: dict[str, int] = {}
+        self.tails: dict[str, deque[str]] = {}
+        self.first_line_at: float | None = None
+
+    def step(self, whole: bool = False) -> Poll:
+        st = poll(self.login, self.run_id, self.job_id, self.offsets, whole=whole)
+        for name, (off, nbytes, text) in sorted(st.files.items()):
+            if off != self.offsets.get(name, 0):
+                continue
+            self.offsets[name] = off + nbytes
+            host = host_of(name)
+            for line in text.splitlines():
+                if self.first_line_at is None and host != "batch":
+                    self.first_line_at = time.monotonic()
+                self.tails.setdefault(host, deque(maxlen=TAIL_LINES)).append(line)
+                if self.emit is not None:
+                    self.emit(host, line)
+        return st
+
+    def until_end(self, interval: float = 0.5, on_poll: Callable[[Poll], None] | None = None) -> Poll:
+        """Follow until Slurm says the job has ended; then read what is left of every log."""
+        while True:
+            st = self.step()
+            if on_poll is not None:
+                on_poll(st)
+            if st.state in TERMINAL or (st.state == "" and st.result is not None):
+                break
+            time.sleep(interval)
+        final = self.step(whole=True)
+        return final if final.state else st
+
+
+TAIL_LINES = 200
+_SRUN_EXIT = re.compile(r"^srun: error: (\S+): tasks? [0-9,-]+: Exited with exit code (\d+)")
+
+
+def first_failure(batch_lines: Sequence[str]) -> tuple[str, int] | None:
+    """(host, code) of the first task srun saw exit non-zero: the node that failed first (the
+    others are then stopped by --kill-on-bad-exit and fail after it)."""
+    for line in batch_lines:
+        m = _SRUN_EXIT.match(line)
+        if m and int(m.group(2)) != 0:
+            return m.group(1), int(m.group(2))
+    return None
+
+
+def exit_code(st: Poll, batch_lines: Sequence[str] = ()) -> int:
+    """What `nodeops launch` exits with for a finished job: 0; the first failing task's code
+    (srun's own exit is often 143 from stopping the others); 130 when cancelled."""
+    if st.state == "COMPLETED":
+        return 0
+    if st.state == "CANCELLED":
+        return 130
+    first = first_failure(batch_lines)
+    code = first[1] if first else st.result.get("exit") if st.result else None
+    if not isinstance(code, int):
+        head = st.exit.partition(":")[0]
+        code = int(head) if head.isdigit() else 1
+    return code if 0 < code < 256 and code not in (2, 130) else 1
+
+
+def describe(st: Poll) -> str:
+    if not st.state:
+        return "unknown to Slurm now (it forgets jobs MinJobAge after they end)"
+    out = st.state
+    if st.state == "PENDING" and st.reason not in ("", "None"):
+        out += f" ({st.reason})"
+    elif st.state not in ("COMPLETED", "RUNNING", "PENDING") and st.exit and st.exit != "0:0":
+        out += f" (ExitCode {st.exit})"
+    if st.nodes and st.state != "PENDING":
+        out += f" on {st.nodes}"
+    return out
