@@ -449,12 +449,14 @@ def render(loaded: LoadedSpec, environ: Mapping[str, str]) -> Rendered:
         and (spec.launch.runner == "torchrun")
     ):
         warnings.append("launch: nodes run different numbers of processes; torchrun will use c10d rendezvous")
-    return Rendered(
-        files={
-            "inventory.yml": header + inv,
-            "ssh_config": ssh_config(loaded),
-            "hostfile": hostfile(spec),
-            ".deepspeed_env": deepspeed.render_env_file(ds_vars),
-        },
-        warnings=warnings,
-    )
+    files = {
+        "inventory.yml": header + inv,
+        "ssh_config": ssh_config(loaded),
+        "hostfile": hostfile(spec),
+        ".deepspeed_env": deepspeed.render_env_file(ds_vars),
+    }
+    if spec.on_slurm:
+        from nodeops import slurm
+
+        files[slurm.SCRIPT] = slurm.batch_script(loaded)  # what `launch` submits: `sbatch job.sbatch train.py`
+    return Rendered(files=files, warnings=warnings)

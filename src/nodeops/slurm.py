@@ -20,7 +20,7 @@ import re
 import subprocess
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,10 +173,15 @@ for name in names:
     off = a["offsets"].get(name, 0)
     try:
         with open(os.path.join(d, name), "rb") as f:
+            if a["tail"]:
+                off = max(0, os.fstat(f.fileno()).st_size - a["max"])
             f.seek(off)
             data = f.read(a["max"])
     except OSError:
         continue
+    if a["tail"] and off > 0 and b"\n" in data:
+        cut = data.index(b"\n") + 1  # the first line is cut: start at the next one
+        off, data = off + cut, data[cut:]
     if not a["all"] and b"\n" in data:
         data = data[: data.rfind(b"\n") + 1]  # whole lines only, until the job has ended
     elif not a["all"]:
@@ -202,10 +207,11 @@ class Poll:
 
 
 def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_bytes: int = 1 << 20,
-         whole: bool = False) -> Poll:  # fmt: skip
-    """The job's state and each log's bytes from ``offsets`` on (whole lines, unless ``whole``)."""
+         whole: bool = False, tail: bool = False) -> Poll:  # fmt: skip
+    """The job's state and each log's bytes from ``offsets`` on (whole lines, unless ``whole``);
+    ``tail``: each log's last ``max_bytes`` instead."""
     args = json.dumps({"run_dir": f"~/.nodeops/runs/{run_id}", "job": job_id, "offsets": offsets,
-                       "batch": BATCH_LOG, "max": max_bytes, "all": whole})  # fmt: skip
+                       "batch": BATCH_LOG, "max": max_bytes, "all": whole, "tail": tail})  # fmt: skip
     code = _POLL.replace("json.loads(ARGS)", f"json.loads({args!r})")
     p = login.run(f"python3 - <<'NODEOPS_POLL'\n{code}\nNODEOPS_POLL\n")
     if p.returncode != 0:
@@ -278,27 +284,39 @@ class Follower:
 
 
 TAIL_LINES = 200
-_SRUN_EXIT = re.compile(r"^srun: error: (\S+): tasks? [0-9,-]+: Exited with exit code (\d+)")
+Tails = Mapping[str, Sequence[str]]  # each host's last lines
+_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? [0-9,-]+: (?:Exited with exit code (\d+)|(\w+))")
 
 
-def first_failure(batch_lines: Sequence[str]) -> tuple[str, int] | None:
-    """(host, code) of the first task srun saw exit non-zero: the node that failed first (the
-    others are then stopped by --kill-on-bad-exit and fail after it)."""
-    for line in batch_lines:
-        m = _SRUN_EXIT.match(line)
-        if m and int(m.group(2)) != 0:
-            return m.group(1), int(m.group(2))
-    return None
+def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tuple[str, int] | None:
+    """(host, code) of the node whose failure started it. srun reports each node whose task
+    ended badly ("Exited with exit code N", or "Terminated" once --kill-on-bad-exit stopped
+    it), but not in causal order: a node whose ranks lost a peer can exit first. The same rule
+    as ssh runs (jobs.root_cause) picks among them: a node whose own rank failed beats one whose
+    ranks report a lost peer, then the earliest."""
+    from nodeops import jobs
+
+    states: dict[str, jobs.HostState] = {}
+    for i, line in enumerate(batch_lines):
+        m = _SRUN_TASK.match(line)
+        if m is None or m.group(1) in states or m.group(2) == "0":
+            continue
+        code = int(m.group(2)) if m.group(2) else -1
+        st = jobs.HostState(m.group(1), exit_code=code, ended_at=float(i))
+        st.tail.extend((tails or {}).get(m.group(1), []))
+        states[st.host] = st
+    cause = jobs.root_cause(list(states.values()))
+    return None if cause is None else (cause.host, jobs.failure_code(cause) or 1)
 
 
-def exit_code(st: Poll, batch_lines: Sequence[str] = ()) -> int:
+def exit_code(st: Poll, batch_lines: Sequence[str] = (), tails: Tails | None = None) -> int:
     """What `nodeops launch` exits with for a finished job: 0; the first failing task's code
     (srun's own exit is often 143 from stopping the others); 130 when cancelled."""
     if st.state == "COMPLETED":
         return 0
     if st.state == "CANCELLED":
         return 130
-    first = first_failure(batch_lines)
+    first = first_failure(batch_lines, tails)
     code = first[1] if first else st.result.get("exit") if st.result else None
     if not isinstance(code, int):
         head = st.exit.partition(":")[0]

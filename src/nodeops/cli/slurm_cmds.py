@@ -127,27 +127,28 @@ def remember(job: Job, st: Poll) -> None:
 
 
 def verdict(job: Job, st: Poll) -> None:
-    """Report a finished job like an ssh run: the first failing host and its last lines."""
+    """Report a finished job like an ssh run: the node whose failure started it and its last lines."""
     from nodeops import jobs, slurm
 
-    batch = _lines(job, slurm.BATCH_LOG) if st.state != "COMPLETED" else []
-    code = slurm.exit_code(st, batch)
-    if code == 0:
+    if st.state == "COMPLETED":
         err(f"==> run {job.run_id} finished: job {job.slurm_job} COMPLETED on {st.nodes or '?'}")
         return
     if st.state == "CANCELLED":
-        fail(f"==> run {job.run_id}: job {job.slurm_job} was cancelled", code)
+        fail(f"==> run {job.run_id}: job {job.slurm_job} was cancelled", 130)
+    tails = logs_tail(job)
+    batch = tails.pop("batch", [])
+    code = slurm.exit_code(st, batch, tails)
     sig = (st.result or {}).get("signal")
     if sig:
         fail(f"==> run {job.run_id}: job {job.slurm_job} got {sig} before its time limit; it was forwarded to every "
              f"rank, and torchrun then ended them: {slurm.describe(st)}", code)  # fmt: skip
-    first = slurm.first_failure(batch)
+    first = slurm.first_failure(batch, tails)
     if first is None:
         for line in batch[-10:]:
             err(f"    batch | {line}")
         fail(f"==> run {job.run_id} {slurm.describe(st)}: no task's failure was reported", code)
     host, rc = first
-    own, summary = jobs.failure_lines(_lines(job, f"logs/{host}.log"))
+    own, summary = jobs.failure_lines(tails.get(host, []))
     err(f"==> run {job.run_id} FAILED: job {job.slurm_job} {st.state}; first failure on {host} "
         f"(exit code {rc}); its last lines:")  # fmt: skip
     for line in own or summary:
@@ -156,12 +157,12 @@ def verdict(job: Job, st: Poll) -> None:
          code)  # fmt: skip
 
 
-def _lines(job: Job, name: str) -> list[str]:
+def logs_tail(job: Job) -> dict[str, list[str]]:
+    """Each host's last lines (the batch log's as ``batch``), read at the end of the job."""
     from nodeops import slurm
 
-    login = login_for(job)
-    st = slurm.poll(login, job.run_id, job.slurm_job, {}, whole=True)
-    return st.files.get(name, (0, 0, ""))[2].splitlines()[-slurm.TAIL_LINES :]
+    st = slurm.poll(login_for(job), job.run_id, job.slurm_job, {}, max_bytes=256 << 10, whole=True, tail=True)
+    return {slurm.host_of(name): text.splitlines()[-slurm.TAIL_LINES :] for name, (_, _, text) in st.files.items()}
 
 
 def cancel(job: Job) -> tuple[Poll, str]:

@@ -1,0 +1,203 @@
+"""The Slurm backend on a real Slurm cluster: `nodeops sandbox up --slurm` (Debian's slurmctld,
+slurmd and munge 22.05 in three containers; node1 the controller and login node; a shared home;
+fake GPUs 2+1+1 through gres.conf). Real sbatch/srun/scancel, real torchrun with gloo on CPU.
+
+Real GPUs, NCCL and a real NFS home are not here: the GPUs Slurm hands out are character devices
+(CUDA_VISIBLE_DEVICES and SLURM_GPUS_ON_NODE behave as on a GPU node; nothing opens them).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nodeops import sandbox
+from tests.integration.conftest import NODEOPS, ROOT, wheelhouse
+
+NAME = f"pytestslurm{os.getpid()}"
+SUBNET = "10.220.0.0/24"
+WORKDIR = "/home/debian/slurm-it"  # in the shared home: every node sees what setup put there
+HASH = re.compile(r"^(node\d) \[rank(\d+)\]:final param hash ([0-9a-f]+)$", re.M)
+PLACED = re.compile(r"^(node\d) \[rank(\d+)\]:rank \d+/(\d+) on (node\d)", re.M)
+# what a job leaves on a node if it is not stopped: the ranks, torchrun, srun and the step daemon
+LEFTOVER = re.compile(r"torch\.distributed\.run|ddp_train|sig_train|srun |slurmstepd")
+
+SIG_TRAIN = """import signal, sys, time
+import torch.distributed as dist
+got = []
+signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+dist.init_process_group("gloo")
+r = dist.get_rank()
+print(f"rank {r} waiting for the time-limit signal", flush=True)
+t = time.monotonic()
+while not got and time.monotonic() - t < 150:
+    time.sleep(0.2)
+print(f"rank {r} got {'SIGUSR1' if got else 'nothing'} after {time.monotonic() - t:.0f}s; checkpointing", flush=True)
+sys.exit(0)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[sandbox.Sandbox]:
+    if os.environ.get("NODEOPS_SKIP_INTEGRATION") == "1":
+        pytest.skip("NODEOPS_SKIP_INTEGRATION=1")
+    sb = sandbox.up(name=NAME, n=3, subnet=SUBNET, say=print, slurm=True)
+    try:
+        yield sb
+    finally:
+        sandbox.down(NAME)
+
+
+def nodeops(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([NODEOPS, *args], capture_output=True, text=True, timeout=timeout, check=False,
+                          env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+
+
+def write_spec(sb: sandbox.Sandbox, d: Path, name: str, slurm_extra: str = "") -> Path:
+    text = sb.spec_path.read_text()
+    if slurm_extra:
+        text = text.replace("slurm:\n", "slurm:\n" + slurm_extra, 1)
+    text += (
+        "env:\n  OMP_NUM_THREADS: 1\n"
+        "python:\n  venv: ~/.venvs/train\n  packages: ['torch==2.13.0']\n"
+        f"  wheelhouse: {wheelhouse()}\n"
+        f"workdir:\n  path: {WORKDIR}\n"
+        "network:\n  ib: 'off'\n"
+    )
+    spec = d / name
+    spec.write_text(text)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def project(cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project dir, set up on the cluster through the login node (`nodeops setup`)."""
+    d = tmp_path_factory.mktemp("slurm-project")
+    (d / "ddp_train.py").write_text((ROOT / "examples" / "ddp_train.py").read_text())
+    (d / "sig_train.py").write_text(SIG_TRAIN)
+    spec = write_spec(cluster, d, "cluster.yaml")
+    write_spec(cluster, d, "pending.yaml", "  sbatch_extra: {begin: now+8}\n")
+    write_spec(cluster, d, "signal.yaml", "  signal: {name: USR1, seconds: 60}\n")
+    (d / "signal.yaml").write_text((d / "signal.yaml").read_text().replace("time: '00:30:00'", "time: '2'"))
+    p = nodeops("setup", str(spec), timeout=900)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return d
+
+
+def leftovers(sb: sandbox.Sandbox, timeout: float = 30) -> dict[str, list[str]]:
+    """Each node's processes of a job, polled until there are none (Slurm's step daemons take a
+    moment to go after the job's end) or ``timeout`` passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found: dict[str, list[str]] = {}
+        for node in sb.nodes:
+            ps = sandbox.docker("exec", node.container, "ps", "-eo", "pid,args", check=False)
+            hits = [line.strip() for line in ps.splitlines() if LEFTOVER.search(line)]
+            if hits:
+                found[node.name] = hits
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def test_ddp_on_uneven_gpus_every_rank_agrees(cluster: sandbox.Sandbox, project: Path) -> None:
+    t = time.monotonic()
+    p = nodeops("launch", str(project / "cluster.yaml"), "--attach", "--", "ddp_train.py", "--steps", "5")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    print(f"launch --attach of a 5-step DDP job: {time.monotonic() - t:.1f}s")
+    placed = PLACED.findall(p.stdout)
+    # 2+1+1 fake GPUs: world size 4, torchrun starts 2 ranks on node1 and 1 on each other node
+    assert sorted(int(r) for _, r, _, _ in placed) == [0, 1, 2, 3], p.stdout[-3000:]
+    assert {w for _, _, w, _ in placed} == {"4"}
+    per_node = {n: sum(1 for h, *_ in placed if h == n) for n in ("node1", "node2", "node3")}
+    assert per_node == {"node1": 2, "node2": 1, "node3": 1}
+    assert all(host == where for host, _, _, where in placed)  # the prefix names the rank's own node
+    hashes = HASH.findall(p.stdout)
+    assert len(hashes) == 4 and len({h for _, _, h in hashes}) == 1, hashes
+    assert "COMPLETED" in p.stderr
+    assert leftovers(cluster) == {}
+
+
+def test_failing_rank_fails_the_job_and_names_its_host(cluster: sandbox.Sandbox, project: Path) -> None:
+    p = nodeops("launch", str(project / "cluster.yaml"), "--attach", "--", "ddp_train.py", "--steps", "200",
+                "--sleep", "0.1", "--fail-rank", "2", "--fail-step", "3")  # fmt: skip
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    # the host of rank 2 as the run itself placed it (SLURM_PROCID and torch's rank differ in general)
+    host = next(h for h, r, _, _ in PLACED.findall(p.stdout) if r == "2")
+    assert f"first failure on {host} (exit code 1)" in p.stderr, p.stderr[-3000:]
+    assert f"{host} [rank2]:rank 2: failing on purpose at step 3" in p.stderr
+    st = nodeops("status")
+    assert st.returncode == 1 and "FAILED" in st.stdout, st.stdout + st.stderr
+    assert leftovers(cluster) == {}
+
+
+def test_status_pending_running_completed_and_logs_follow(cluster: sandbox.Sandbox, project: Path) -> None:
+    p = nodeops("launch", str(project / "pending.yaml"), "--", "ddp_train.py", "--steps", "5")
+    assert p.returncode == 0, p.stderr
+    run_id = p.stdout.strip()
+    seen: list[str] = []  # each status line, when it changed
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not any("RUNNING" in s for s in seen):
+        st = nodeops("status", run_id)
+        assert st.returncode == 0, st.stdout + st.stderr
+        if not seen or seen[-1] != st.stdout:
+            seen.append(st.stdout)
+        time.sleep(0.3)
+    assert "PENDING (BeginTime)" in seen[0], seen
+    assert any("RUNNING on node[1-3]" in s for s in seen), seen
+    f = nodeops("logs", run_id, "-f")  # a new process follows the job to its end
+    assert f.returncode == 0, f.stdout[-2000:] + f.stderr[-2000:]
+    assert len(HASH.findall(f.stdout)) == 4
+    st = nodeops("status", run_id)
+    assert st.returncode == 0 and "COMPLETED" in st.stdout, st.stdout
+    assert leftovers(cluster) == {}
+
+
+def test_stop_cancels_a_running_job(cluster: sandbox.Sandbox, project: Path) -> None:
+    p = nodeops("launch", str(project / "cluster.yaml"), "--", "ddp_train.py", "--steps", "5000", "--sleep", "0.1")
+    run_id = p.stdout.strip()
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and "step 3 " not in nodeops("logs", run_id).stdout:
+        time.sleep(1)
+    assert "RUNNING" in nodeops("status", run_id).stdout
+    t = time.monotonic()
+    s = nodeops("stop", run_id)
+    assert s.returncode == 0, s.stdout + s.stderr
+    assert "CANCELLED" in s.stdout
+    assert leftovers(cluster) == {}
+    print(f"stop latency until no process of the job is left on any node: {time.monotonic() - t:.1f}s")
+    st = nodeops("status", run_id)
+    assert st.returncode == 1 and "CANCELLED" in st.stdout
+
+
+def test_ctrl_c_on_attached_launch_cancels_the_job(cluster: sandbox.Sandbox, project: Path) -> None:
+    proc = subprocess.Popen([NODEOPS, "launch", str(project / "cluster.yaml"), "--attach", "--", "ddp_train.py",
+                             "--steps", "5000", "--sleep", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "step 3 " in line:
+            break
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "cancelled" in stderr and "CANCELLED" in stderr
+    assert leftovers(cluster) == {}
+
+
+@pytest.mark.slow
+def test_time_limit_signal_reaches_the_training_script(cluster: sandbox.Sandbox, project: Path) -> None:
+    # --time=2 (minutes) and --signal=B:USR1@60: Slurm sends it 60-90 s before the limit
+    p = nodeops("launch", str(project / "signal.yaml"), "--attach", "--", "sig_train.py", timeout=240)
+    got = re.findall(r"^node\d \[rank(\d+)\]:rank \d+ got SIGUSR1", p.stdout, re.M)
+    assert sorted(got) == ["0", "1", "2", "3"], p.stdout[-3000:] + p.stderr[-3000:]
+    assert "SIGUSR1 (the time limit is near): forwarding it to torchrun" in p.stdout
+    assert "got SIGUSR1 before its time limit" in p.stderr
+    assert leftovers(cluster) == {}

@@ -1,0 +1,204 @@
+"""The Slurm backend's pure parts, and its login-node actions run for real on this machine (the
+"no login node" transport: ``bash -s`` here), with stand-in sbatch/squeue/scontrol scripts on
+PATH that record what they were given. The live path is tests/integration/test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from nodeops import sandbox_slurm, slurm
+from nodeops.spec import load_spec, load_spec_text
+
+SPECS = Path(__file__).resolve().parent.parent / "specs"
+HOSTILE = ["train.py", "--name", "it's a $(touch /tmp/pwned) `id`; rm -rf ~", "a\nb", "*", "", "--", "${HOME}"]
+
+
+def test_sbatch_lines_follow_the_spec() -> None:
+    loaded = load_spec(SPECS / "slurm-full.happy.yaml")
+    lines = slurm.sbatch_lines(loaded.spec, "bigjob")
+    assert lines[:4] == ["--job-name=nodeops-bigjob", "--nodes=16", "--ntasks-per-node=1", "--open-mode=append"]
+    for want in ("--partition=gpu", "--account=proj-42", "--qos=high", "--time=1-12:00:00", "--gpus-per-node=8",
+                 "--cpus-per-task=96", "--mem=900G", "--constraint=a100", "--exclusive", "--signal=B:USR1@300",
+                 "--requeue", "--reservation=big-run", "--begin=now+60", "--requeue-debug"):  # fmt: skip
+        assert want in lines
+    sandbox = slurm.sbatch_lines(load_spec(SPECS / "slurm-sandbox.happy.yaml").spec, "slurmbox")
+    assert "--gpus=4" in sandbox and "--no-requeue" in sandbox
+    assert not any(line.startswith("--signal") for line in sandbox)
+
+
+@pytest.mark.parametrize("name", ["slurm-full.happy.yaml", "slurm-sandbox.happy.yaml"])
+def test_batch_script_is_valid_bash_and_carries_no_user_argument(name: str) -> None:
+    text = slurm.batch_script(load_spec(SPECS / name))
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    assert text.startswith("#!/bin/bash\n")
+    # the training command arrives as the script's own arguments, never rendered into it
+    assert 'nodeops-task "$@" &' in text and "train.py" not in text
+
+
+def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
+    full = slurm.batch_script(load_spec(SPECS / "slurm-full.happy.yaml"))
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in full and "trap forward USR1" in full
+    plain = slurm.batch_script(load_spec(SPECS / "slurm-sandbox.happy.yaml"))
+    assert "--signals-to-handle" not in plain and "trap forward" not in plain and "scontrol requeue" not in plain
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("sbatch_extra: {output: x}", "may not set --output"),
+        ("sbatch_extra: {--signal: USR2}", "may not set --signal"),
+        ("sbatch_extra: {nodes: 4}", "may not set --nodes"),
+        ("sbatch_extra: {'bad name': x}", "is not an sbatch option name"),
+        ("sbatch_extra: {comment: 'a\"b'}", "characters sbatch would split"),
+        ("time: '1:2:3:4'", "is not a Slurm time limit"),
+        ("mem: 64GB", "is not a Slurm memory size"),
+        ("gpus: 1", "fewer than nodes"),
+        ("signal: {name: KILL}", "Input should be"),
+        ("signal: {name: USR1, seconds: 0}", "greater than or equal to 1"),
+        ("account: 'a b'", "characters sbatch would split"),
+    ],
+)
+def test_bad_slurm_fields_are_refused(extra: str, message: str) -> None:
+    from nodeops.errors import SpecError
+
+    text = f"slurm:\n  nodes: 2\n  {extra}\nnodes:\n  - address: 10.0.0.1\n"
+    with pytest.raises(SpecError) as info:
+        load_spec_text(text)
+    assert message in str(info.value), str(info.value)
+
+
+def test_backend_defaults_to_slurm_with_a_section_and_ssh_without() -> None:
+    assert load_spec_text("slurm: {nodes: 2}\nnodes: [{address: 10.0.0.1}]\n").spec.on_slurm
+    assert not load_spec_text("nodes: [{address: 10.0.0.1}]\n").spec.on_slurm
+    from nodeops.errors import SpecError
+
+    with pytest.raises(SpecError, match="backend is ssh"):
+        load_spec_text("backend: ssh\nslurm: {nodes: 2}\nnodes: [{address: 10.0.0.1}]\n")
+
+
+BATCH = """nodeops: job 12 (restart 0) on node[1-3]
+srun: error: node2: task 1: Exited with exit code 3
+srun: launch/slurm: _step_signal: Terminating StepId=12.0
+srun: error: node1: task 0: Terminated
+srun: error: node3: tasks 2-3: Exited with exit code 1
+nodeops: srun exited 143
+""".splitlines()
+
+
+def test_first_failure_is_the_node_that_failed_by_itself() -> None:
+    assert slurm.first_failure(BATCH) == ("node2", 3)
+    # srun may report a victim first: node1's ranks lost their peer node2, whose own rank failed
+    racy = ["srun: error: node1: task 0: Exited with exit code 1", "srun: error: node2: task 1: Terminated"]
+    tails = {"node1": ["[rank1]:RuntimeError: Connection closed by peer [10.0.0.12]:41234"],
+             "node2": ["[rank2]:failing on purpose", "  exitcode  : 1 (pid: 111)"]}  # fmt: skip
+    assert slurm.first_failure(racy, tails) == ("node2", 1)
+    assert slurm.first_failure(racy) == ("node1", 1)  # without the lines, srun's order is all there is
+    assert slurm.first_failure(["srun: error: node1: task 0: Exited with exit code 0"]) is None
+    assert slurm.first_failure([]) is None
+
+
+def test_exit_code_prefers_the_failing_task_over_srun() -> None:
+    def poll(state: str, exit: str = "0:0", result: dict[str, object] | None = None) -> slurm.Poll:
+        return slurm.Poll(state=state, reason="None", exit=exit, nodes="node[1-3]", result=result)
+
+    assert slurm.exit_code(poll("COMPLETED")) == 0
+    assert slurm.exit_code(poll("CANCELLED", "0:15")) == 130
+    assert slurm.exit_code(poll("FAILED", "143:0", {"exit": 143}), BATCH) == 3
+    assert slurm.exit_code(poll("FAILED", "143:0", {"exit": 143})) == 143
+    assert slurm.exit_code(poll("TIMEOUT", "0:15")) == 1
+    assert slurm.exit_code(poll("FAILED", "2:0")) == 1  # 2 is nodeops' "bad usage": never a job's
+    assert slurm.describe(poll("PENDING")) == "PENDING"
+    assert slurm.describe(slurm.Poll("PENDING", "BeginTime", "0:0", "")) == "PENDING (BeginTime)"
+    assert slurm.describe(poll("FAILED", "1:0")) == "FAILED (ExitCode 1:0) on node[1-3]"
+    assert slurm.describe(poll("")).startswith("unknown to Slurm now")
+
+
+@pytest.fixture
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home and stand-ins for sbatch/squeue/scontrol/scancel that record their argv as JSON."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    home.mkdir()
+    bin_dir.mkdir()
+    rec = tmp_path / "calls"
+    scontrol = "JobId=4242 JobState=RUNNING Reason=None ExitCode=0:0"
+    for tool, out in (("sbatch", "4242;cluster"), ("squeue", "RUNNING|None|node[1-2]"), ("scontrol", scontrol),
+                      ("scancel", "")):  # fmt: skip
+        script = bin_dir / tool
+        script.write_text(
+            "#!/usr/bin/env python3\nimport json, os, sys\n"
+            f"open({str(rec)!r}, 'a').write(json.dumps([{tool!r}, sys.argv[1:],"
+            " {k: v for k, v in os.environ.items() if k.startswith('NODEOPS_')}]) + '\\n')\n"
+            f"print({out!r})\n"
+        )
+        script.chmod(0o755)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return tmp_path
+
+
+def calls(d: Path) -> list[list[object]]:
+    return [json.loads(line) for line in (d / "calls").read_text().splitlines()]
+
+
+def test_submit_passes_hostile_arguments_literally(fake_slurm: Path) -> None:
+    login = slurm.Login(None)
+    job = slurm.submit(login, "20261123-010203-abcd", "#!/bin/bash\necho hi\n", HOSTILE)
+    assert job == "4242"
+    [(tool, argv, env)] = calls(fake_slurm)
+    rdir = fake_slurm / "home" / ".nodeops" / "runs" / "20261123-010203-abcd"
+    assert tool == "sbatch"
+    assert argv == ["--parsable", f"--output={rdir}/batch.log", f"{rdir}/job.sbatch", *HOSTILE]
+    assert env == {"NODEOPS_RUN_DIR": str(rdir), "NODEOPS_RUN_ID": "20261123-010203-abcd"}
+    assert (rdir / "job.sbatch").read_text() == "#!/bin/bash\necho hi\n"
+    assert oct((rdir).stat().st_mode & 0o777) == "0o700" and (rdir / "logs").is_dir()
+    assert not Path("/tmp/pwned").exists()
+
+
+def test_submit_names_the_login_node_when_sbatch_fails(fake_slurm: Path) -> None:
+    (fake_slurm / "bin" / "sbatch").write_text("#!/bin/sh\necho 'sbatch: error: Invalid partition name' >&2\nexit 1\n")
+    with pytest.raises(slurm.SlurmError, match="sbatch failed on this machine: sbatch: error: Invalid partition"):
+        slurm.submit(slurm.Login(None), "r1", "x", ["t.py"])
+
+
+def test_poll_reads_whole_lines_from_where_it_left_off(fake_slurm: Path) -> None:
+    d = fake_slurm / "home" / ".nodeops" / "runs" / "r2"
+    (d / "logs").mkdir(parents=True)
+    (d / "batch.log").write_text("nodeops: job 4242\n")
+    (d / "logs" / "node1.log").write_text("[rank0]:héllo\n[rank1]:partial")
+    login = slurm.Login(None)
+    fol = slurm.Follower(login, "r2", "4242", None)
+    st = fol.step()
+    assert (st.state, st.reason, st.exit, st.nodes) == ("RUNNING", "None", "0:0", "node[1-2]")
+    assert list(fol.tails["node1"]) == ["[rank0]:héllo"] and list(fol.tails["batch"]) == ["nodeops: job 4242"]
+    with (d / "logs" / "node1.log").open("a") as f:
+        f.write(" line\n")
+    fol.step()
+    assert list(fol.tails["node1"]) == ["[rank0]:héllo", "[rank1]:partial line"]
+    (d / "logs" / "node1.log").open("a").write("no newline at the end")
+    fol.step(whole=True)  # at the job's end the rest is read too
+    assert list(fol.tails["node1"])[-1] == "no newline at the end"
+    assert [c[0] for c in calls(fake_slurm)].count("squeue") == 3
+
+
+def test_cancel_escalates_to_kill_full(fake_slurm: Path) -> None:
+    assert slurm.cancel(slurm.Login(None), "4242") == ""
+    assert slurm.cancel(slurm.Login(None), "4242", kill=True) == ""
+    assert [c[1] for c in calls(fake_slurm)] == [["4242"], ["--signal=KILL", "--full", "4242"]]
+
+
+def test_sandbox_slurm_conf_and_gres() -> None:
+    conf = sandbox_slurm.slurm_conf("t", [("node1", "10.0.0.11", 2), ("node2", "10.0.0.12", 1)], 4)
+    assert "SlurmctldHost=node1(10.0.0.11)" in conf
+    assert "NodeName=node1 NodeAddr=10.0.0.11 CPUs=4 Gres=gpu:2 State=UNKNOWN" in conf
+    assert "ProctrackType=proctrack/linuxproc" in conf and "TaskPlugin=task/none" in conf
+    assert sandbox_slurm.gres_conf(2) == "AutoDetect=off\nName=gpu File=/dev/nvidia[0-1]\n"
+    assert sandbox_slurm.gres_conf(1) == "AutoDetect=off\nName=gpu File=/dev/nvidia0\n"
+    script = sandbox_slurm.node_script(conf, "x", b"k" * 1024, 2, controller=True)
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    assert "slurmctld -D" in script and "mknod -m 0666 /dev/nvidia1 c 1 3" in script
+    assert "kkkk" not in script  # the munge key travels base64-encoded on stdin, never as text
