@@ -364,3 +364,70 @@ def _parity_rows(chief: str, facts: dict[str, dict[str, Any]], values: dict[str,
         for n in differing:
             values.setdefault(h, {})[f"pkg {n}"] = pk.get(n, "missing")
     return rows
+
+
+# --------------------------------------------------------------------------- on Slurm
+def srun_options(spec: ResourceSpec) -> list[str]:
+    """What the check's srun step asks for: the job's shape (nodes, partition, GPUs...), one
+    task per node, a short time limit."""
+    s = spec.slurm
+    assert s is not None
+    out = [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--job-name=nodeops-check", "--time=10"]
+    for opt, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos),
+                       ("constraint", s.constraint), ("gpus-per-node", s.gpus_per_node), ("gpus", s.gpus),
+                       ("reservation", s.sbatch_extra.get("reservation"))):  # fmt: skip
+        if value is not None:
+            out.append(f"--{opt}={value}")
+    return out
+
+
+def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> tuple[ResourceSpec, dict[str, Any]]:
+    """The probe in one srun step on the login node, one task per node Slurm gives; returns a
+    spec listing those nodes (for :func:`evaluate`) and the probe's document. No port rows: a
+    Slurm job's port comes from its job id, so there is none to test before it runs."""
+    from nodeops import slurm, workdir
+    from nodeops.render import activation, ssh_config
+    from nodeops.spec import Node
+
+    spec = loaded.spec
+    login = spec.login_node()
+    manifest = workdir.source_manifest(loaded)
+    node_plan = {"mode": "node", "name": "", "nonce": "", "ports": [], "fast": fast,
+                 "chief_address": login.address if login is not None else "127.0.0.1",
+                 "workdir": spec.workdir.path if spec.workdir is not None else None,
+                 "exclude": workdir.excludes(loaded), "activate": activation(spec, login or spec.chief),
+                 "env_file": f".nodeops/{loaded.cluster_name}/env.sh", "script": None,
+                 "manifest": None if manifest is None else {"code": workdir.manifest_path().read_text(),
+                                                             "manifest": manifest}}  # fmt: skip
+    payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": node_plan})
+    script = (
+        f"srun --input=all {' '.join(srun_options(spec))} python3 -c {sh_word(probe.BOOT)} <<'NODEOPS_PAYLOAD'\n"
+        f"{payload}\nNODEOPS_PAYLOAD\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="nodeops-check-") as tmp:
+        cfg = Path(tmp) / "ssh_config"
+        cfg.write_text(ssh_config(loaded))
+        os.chmod(cfg, 0o600)
+        where = slurm.Login(spec.alias(login) if login is not None else None, cfg)
+        p = where.run(script, timeout=timeout + 30)
+    facts = [json.loads(line[len(probe.MARK) :]) for line in p.stdout.splitlines() if line.startswith(probe.MARK)]
+    if not facts:
+        raise CheckError(f"the srun step on {where.where} gave no node's facts (exit {p.returncode}): "
+                         f"{last_line(p.stderr, 'no output')}")  # fmt: skip
+    names = sorted(str(f["hostname"]) for f in facts)
+    per_node = [] if spec.slurm is None or spec.slurm.gpus_per_node is None else list(range(spec.slurm.gpus_per_node))
+    nodes = [Node(address=h, name=h, gpus=per_node, chief=i == 0) for i, h in enumerate(names)]
+    doc: dict[str, Any] = {"chief": {}, "listeners": {},
+           "nodes": {str(f["hostname"]): {"ssh": {"ok": True, "seconds": 0.0}, "facts": f} for f in facts}}  # fmt: skip
+    if spec.slurm is not None and len(facts) < spec.slurm.nodes:
+        doc["missing"] = f"{spec.slurm.nodes} node(s) asked for, {len(facts)} answered: {last_line(p.stderr, '')}"
+    return spec.model_copy(update={"nodes": nodes}), doc
+
+
+def as_srun_rows(report: Report, missing: str = "") -> Report:
+    """The ssh row of each host, said as what it was on Slurm: an srun task on that node."""
+    rows = [Row(r.host, "srun", r.status, "probed in the check's srun step (one task per node)")
+            if r.check == "ssh" else r for r in report.rows]  # fmt: skip
+    if missing:
+        rows.insert(0, Row(report.hosts[0] if report.hosts else "slurm", "srun", FAIL, missing))
+    return Report(rows, report.values, report.hosts)

@@ -11,6 +11,7 @@ the run dir is removed only when no process of the run is alive there (``agent.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -118,7 +119,9 @@ def local_runs() -> list[Run]:
             out.append(run)
             continue
         local = d / "result.json"
-        if local.is_file():
+        if job.backend == "slurm":
+            pass  # refresh asks Slurm
+        elif local.is_file():
             try:
                 verdict = json.loads(local.read_text()).get("supervisor")
             except ValueError:
@@ -153,12 +156,39 @@ fi
 )
 
 
+# A Slurm job's state, as `nodeops runs` names states
+_SLURM_STATES = {"COMPLETED": "ok", "CANCELLED": "stopped", "PENDING": "running", "CONFIGURING": "running",
+                 "RUNNING": "running", "COMPLETING": "running", "REQUEUED": "running", "SUSPENDED": "running",
+                 "RESIZING": "running"}  # fmt: skip
+
+
+def slurm_state(run: Run) -> None:
+    """A Slurm run's state from squeue/scontrol on its login node (or the last one seen there)."""
+    from nodeops import slurm
+
+    j = run.job
+    try:
+        st = slurm.poll(slurm.Login(j.slurm_login or None, j.ssh_config), j.run_id, j.slurm_job, {}, max_bytes=0)
+    except slurm.SlurmError as e:
+        run.state, run.detail = "unreachable", str(e)
+        return
+    state = st.state or j.slurm_state
+    run.state = _SLURM_STATES.get(state, "failed" if state else "unknown")
+    run.detail = f"Slurm job {j.slurm_job}: {slurm.describe(st) if st.state else state or 'forgotten by Slurm'}"
+    if run.state in ("ok", "failed", "stopped"):
+        run.exit_code = slurm.exit_code(dataclasses.replace(st, state=state))
+        run.verdict = True
+
+
 def refresh(runs: Sequence[Run]) -> None:
     """Ask each chief about the runs with no verdict here, in parallel; keep what it says."""
     todo = [r for r in runs if r.state == "unknown"]
 
     def one(run: Run) -> None:
         j = run.job
+        if j.backend == "slurm":
+            slurm_state(run)
+            return
         script = _PROBE.replace("@ID@", sh_word(jobs.check_run_id(j.run_id))).replace(
             "@DIR@", sh_word(jobs.remote_dir(j.run_id))
         )

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nodeops.cli.app import CONTEXT, GroupOpt, SpecArg, app, err, errors
+from nodeops.cli.app import CONTEXT, GroupOpt, SpecArg, app, err, errors, fail
+from nodeops.errors import EXIT_SPEC
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -129,9 +130,17 @@ def check(
     with errors(), json_errors(as_json):
         loaded = gpus.resolved(load_spec(spec, group), required=False)  # gpus: auto, as setup found them
         require_controller_files(loaded)
-        err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
-        result = chk.run(loaded, timeout=timeout)
-        report = chk.evaluate(loaded.spec, result, auto_gpus=loaded.discovered_gpus)
+        if loaded.spec.on_slurm:
+            if fabric:
+                fail("error: --fabric cannot be used with backend: slurm yet (nothing was run)", EXIT_SPEC)
+            s = loaded.spec.slurm
+            err(f"==> checking the {s.nodes if s else 0} node(s) Slurm gives, in one srun step")
+            nodes_spec, result = chk.run_slurm(loaded, timeout=timeout)
+            report = chk.as_srun_rows(chk.evaluate(nodes_spec, result), result.get("missing", ""))
+        else:
+            err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
+            result = chk.run(loaded, timeout=timeout)
+            report = chk.evaluate(loaded.spec, result, auto_gpus=loaded.discovered_gpus)
     code = report.exit_code(strict)
     if not as_json:
         print_report(report, "check")

@@ -65,6 +65,15 @@ def validate(
             err(str(issue))
         s = loaded.spec
         world = sum(s.nproc(n) for n in s.nodes)
+        if s.on_slurm and s.slurm is not None:
+            login = s.login_node()
+            gpus = (f"{s.slurm.gpus_per_node} GPU(s) per node" if s.slurm.gpus_per_node is not None
+                    else f"{s.slurm.gpus} GPU(s) in all" if s.slurm.gpus else "no GPUs asked for")  # fmt: skip
+            typer.echo(
+                f"{spec}: valid: Slurm, {s.slurm.nodes} node(s), {gpus}, sbatch "
+                + (f"on the login node {login.address}" if login is not None else "on this machine")
+            )
+            return
         typer.echo(
             f"{spec}: valid: {len(s.nodes)} node(s), chief {s.chief.address}, "
             f"{world} process(es), runner {s.launch.runner}"
