@@ -38,6 +38,7 @@ SCRIPT = "job.sbatch"
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED", "REVOKED", "SPECIAL_EXIT")  # fmt: skip
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun handles unless told
+RESTART_MARK = "nodeops: requeued, restart"  # in each node's log where a requeued run starts
 KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
 
 
@@ -96,7 +97,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         workdir=spec.workdir.path if spec.workdir is not None else "~", env_file=env_file(loaded.cluster_name),
         activate=activation(spec, login), env=env, signal=s.signal, max_requeues=s.max_requeues,
         nproc=spec.launch.nproc_per_node or 1, max_restarts=spec.launch.max_restarts, torchrun_extra=extra,
-        port_base=PORT_BASE, port_span=PORT_SPAN,
+        port_base=PORT_BASE, port_span=PORT_SPAN, restart_mark=RESTART_MARK,
     ))  # fmt: skip
 
 
@@ -286,6 +287,12 @@ class Follower:
 TAIL_LINES = 200
 Tails = Mapping[str, Sequence[str]]  # each host's last lines
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? [0-9,-]+: (?:Exited with exit code (\d+)|(\w+))")
+
+
+def last_run(lines: Sequence[str]) -> list[str]:
+    """A log's lines from the last requeued run on (the whole log when the job never requeued)."""
+    starts = [i for i, line in enumerate(lines) if line.startswith(RESTART_MARK)]
+    return list(lines[starts[-1] + 1 :] if starts else lines)
 
 
 def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tuple[str, int] | None:

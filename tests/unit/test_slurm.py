@@ -202,3 +202,43 @@ def test_sandbox_slurm_conf_and_gres() -> None:
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
     assert "slurmctld -D" in script and "mknod -m 0666 /dev/nvidia1 c 1 3" in script
     assert "kkkk" not in script  # the munge key travels base64-encoded on stdin, never as text
+
+
+def test_a_requeued_jobs_failure_report_reads_its_last_run_only() -> None:
+    lines = ["[rank2]:first try", f"{slurm.RESTART_MARK} 1", "[rank2]:second try", f"{slurm.RESTART_MARK} 2", "x"]
+    assert slurm.last_run(lines) == ["x"]
+    assert slurm.last_run(["a", "b"]) == ["a", "b"]
+    text = slurm.batch_script(load_spec(SPECS / "slurm-full.happy.yaml"))
+    assert f'echo "{slurm.RESTART_MARK} $restart" >> "$run_dir/logs/$n.log"' in text
+
+
+def test_check_srun_step_asks_for_the_jobs_shape() -> None:
+    from nodeops import check
+
+    opts = check.srun_options(load_spec(SPECS / "slurm-full.happy.yaml").spec)
+    assert opts[:2] == ["--nodes=16", "--ntasks-per-node=1"]
+    for want in ("--partition=gpu", "--account=proj-42", "--qos=high", "--constraint=a100", "--gpus-per-node=8",
+                 "--reservation=big-run"):  # fmt: skip
+        assert want in opts
+    assert not any(o.startswith(("--begin", "--signal", "--exclusive")) for o in opts)
+    report = check.Report([check.Row("n1", "ssh", "ok", "x"), check.Row("n1", "torch", "ok", "y")], {}, ["n1"])
+    rows = check.as_srun_rows(report, "3 node(s) asked for, 2 answered").rows
+    assert [(r.check, r.status) for r in rows] == [("srun", "fail"), ("srun", "ok"), ("torch", "ok")]
+
+
+def test_runs_reads_a_slurm_runs_state(fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nodeops import jobs, runs
+
+    monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
+    d = jobs.jobs_dir() / "20261123-010203-abcd"
+    d.mkdir(parents=True)
+    jobs.Job(run_id=d.name, dir=d, hosts=["localhost"], argv=["t.py"], runner="torchrun", chief="localhost",
+             backend="slurm", slurm_job="4242").save()  # fmt: skip
+    [run] = runs.local_runs()
+    assert run.state == "unknown"
+    runs.refresh([run])
+    assert (run.state, run.detail) == ("running", "Slurm job 4242: RUNNING on node[1-2]")
+    (fake_slurm / "bin" / "squeue").write_text("#!/bin/sh\necho 'FAILED|NonZeroExitCode|node[1-2]'\n")
+    [run] = runs.local_runs()
+    runs.refresh([run])
+    assert (run.state, run.exit_code, run.verdict) == ("failed", 1, True)

@@ -162,7 +162,8 @@ def logs_tail(job: Job) -> dict[str, list[str]]:
     from nodeops import slurm
 
     st = slurm.poll(login_for(job), job.run_id, job.slurm_job, {}, max_bytes=256 << 10, whole=True, tail=True)
-    return {slurm.host_of(name): text.splitlines()[-slurm.TAIL_LINES :] for name, (_, _, text) in st.files.items()}
+    return {slurm.host_of(name): slurm.last_run(text.splitlines())[-slurm.TAIL_LINES :]
+            for name, (_, _, text) in st.files.items()}  # fmt: skip
 
 
 def cancel(job: Job) -> tuple[Poll, str]:
