@@ -242,3 +242,25 @@ def test_runs_reads_a_slurm_runs_state(fake_slurm: Path, tmp_path: Path, monkeyp
     [run] = runs.local_runs()
     runs.refresh([run])
     assert (run.state, run.exit_code, run.verdict) == ("failed", 1, True)
+
+
+def test_launch_options_without_meaning_on_slurm_are_refused_before_anything_runs(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from nodeops.cli import app
+
+    key = tmp_path / "id_ed25519"
+    key.write_text("not a real key\n")
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text((SPECS / "slurm-sandbox.happy.yaml").read_text().replace("~/.ssh/id_ed25519", str(key)))
+    cli = CliRunner()
+    for opts in (["--script", "run.sh"], ["--via", "ansible"], ["--fabric-check"], ["--detach", "--attach"]):
+        r = cli.invoke(app, ["launch", *opts, str(spec), "train.py"])
+        assert r.exit_code == 2, (opts, r.output)
+        assert "cannot be used with backend: slurm (nothing was run)" in r.output
+    r = cli.invoke(app, ["launch", "--dry-run", str(spec), "--", "train.py", "it's", "$(id)"])
+    assert r.exit_code == 0, r.output
+    assert "sbatch --parsable --output=RUN_DIR/batch.log RUN_DIR/job.sbatch train.py 'it'\"'\"'s' '$(id)'" in r.output
+    assert "#SBATCH --gpus=4" in r.output
+    r = cli.invoke(app, ["check", "--fabric", str(spec)])
+    assert r.exit_code == 2 and "--fabric cannot be used with backend: slurm" in r.output

@@ -149,8 +149,10 @@ def launch(
         if loaded.spec.on_slurm:
             from nodeops.cli import slurm_cmds
 
+            # --detach is what a Slurm launch does anyway; --attach follows the job
             slurm_cmds.refuse_options(**{"--script": script is not None, "--via ansible": via != Via.ssh,
-                                         "--fabric-check": fabric_check, "--detach": detach})  # fmt: skip
+                                         "--fabric-check": fabric_check,
+                                         "--detach with --attach": detach and attach})  # fmt: skip
             if dry_run:
                 slurm_cmds.dry_run(loaded, user_argv)
                 return
