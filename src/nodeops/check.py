@@ -372,7 +372,7 @@ def srun_options(spec: ResourceSpec) -> list[str]:
     task per node, a short time limit."""
     s = spec.slurm
     assert s is not None
-    out = [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--job-name=nodeops-check", "--time=10"]
+    out = [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--time=10"]
     for opt, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos),
                        ("constraint", s.constraint), ("gpus-per-node", s.gpus_per_node), ("gpus", s.gpus),
                        ("reservation", s.sbatch_extra.get("reservation"))):  # fmt: skip
@@ -400,8 +400,10 @@ def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -
                  "manifest": None if manifest is None else {"code": workdir.manifest_path().read_text(),
                                                              "manifest": manifest}}  # fmt: skip
     payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": node_plan})
+    name = f"nodeops-check-{secrets.token_hex(4)}"  # to scancel it by, should this end before srun does
+    opts = " ".join(sh_word(o) for o in [*srun_options(spec), f"--job-name={name}"])
     script = (
-        f"srun --input=all {' '.join(srun_options(spec))} python3 -c {sh_word(probe.BOOT)} <<'NODEOPS_PAYLOAD'\n"
+        f"exec srun --input=all {opts} python3 -c {sh_word(probe.BOOT)} <<'NODEOPS_PAYLOAD'\n"
         f"{payload}\nNODEOPS_PAYLOAD\n"
     )
     with tempfile.TemporaryDirectory(prefix="nodeops-check-") as tmp:
@@ -409,7 +411,11 @@ def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -
         cfg.write_text(ssh_config(loaded))
         os.chmod(cfg, 0o600)
         where = slurm.Login(spec.alias(login) if login is not None else None, cfg)
-        p = where.run(script, timeout=timeout + 30)
+        try:
+            p = where.run(script, timeout=timeout + 30)
+        except BaseException:  # a timeout or Ctrl-C ends our ssh, not the srun step behind it
+            where.run(f'scancel --name={sh_word(name)} --user="$(id -un)"', timeout=30)
+            raise
     facts = [json.loads(line[len(probe.MARK) :]) for line in p.stdout.splitlines() if line.startswith(probe.MARK)]
     if not facts:
         raise CheckError(f"the srun step on {where.where} gave no node's facts (exit {p.returncode}): "

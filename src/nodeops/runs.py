@@ -157,9 +157,10 @@ fi
 
 
 # A Slurm job's state, as `nodeops runs` names states
-_SLURM_STATES = {"COMPLETED": "ok", "CANCELLED": "stopped", "PENDING": "running", "CONFIGURING": "running",
-                 "RUNNING": "running", "COMPLETING": "running", "REQUEUED": "running", "SUSPENDED": "running",
-                 "RESIZING": "running"}  # fmt: skip
+def _slurm_states() -> dict[str, str]:
+    from nodeops import slurm
+
+    return {"COMPLETED": "ok", "CANCELLED": "stopped", **{s: "running" for s in slurm.LIVE}}
 
 
 def slurm_state(run: Run) -> None:
@@ -172,8 +173,17 @@ def slurm_state(run: Run) -> None:
     except slurm.SlurmError as e:
         run.state, run.detail = "unreachable", str(e)
         return
+    if st.error:
+        run.state, run.detail = "unreachable", f"Slurm job {j.slurm_job}: {st.error}"
+        return
+    if st.forgotten and st.result is not None and not st.result.get("requeued"):
+        # Slurm forgot it (MinJobAge); the batch script's own result says how it ended
+        code = st.result.get("exit")
+        run.state, run.exit_code, run.verdict = ("ok" if code == 0 else "failed"), slurm.exit_code(st), True
+        run.detail = f"Slurm job {j.slurm_job}: {slurm.describe(st)}"
+        return
     state = st.state or j.slurm_state
-    run.state = _SLURM_STATES.get(state, "failed" if state else "unknown")
+    run.state = _slurm_states().get(state, "failed" if state else "unknown")
     run.detail = f"Slurm job {j.slurm_job}: {slurm.describe(st) if st.state else state or 'forgotten by Slurm'}"
     if run.state in ("ok", "failed", "stopped"):
         run.exit_code = slurm.exit_code(dataclasses.replace(st, state=state))

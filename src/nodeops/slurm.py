@@ -37,6 +37,9 @@ SCRIPT = "job.sbatch"
 # Job states after which nothing of the job runs any more (squeue's long names).
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED", "REVOKED", "SPECIAL_EXIT")  # fmt: skip
+# States in which the job is alive (waiting, running or on its way back): status exits 0.
+LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED",
+        "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD")  # fmt: skip
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun handles unless told
 RESTART_MARK = "nodeops: requeued, restart"  # in each node's log where a requeued run starts
 KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
@@ -74,6 +77,11 @@ def env_file(cluster: str) -> str:
     return f"~/.nodeops/{cluster}/env.sh"
 
 
+def _safe_name(name: str) -> str:
+    """A file name as it may appear in a comment of the script (no newline can end the comment)."""
+    return re.sub(r"[^\w.+-]", "_", name)
+
+
 def batch_script(loaded: LoadedSpec) -> str:
     """The batch script for the spec (the same bytes for every run: the run is in its env)."""
     import jinja2
@@ -93,7 +101,8 @@ def batch_script(loaded: LoadedSpec) -> str:
     j.filters["sh_path"] = sh_path
     tpl = j.from_string((data_dir("templates") / "slurm" / "job.sbatch.j2").read_text())
     return str(tpl.render(
-        cluster=loaded.cluster_name, spec_file=Path(loaded.file).name, sbatch=sbatch_lines(spec, loaded.cluster_name),
+        cluster=loaded.cluster_name, spec_file=_safe_name(Path(loaded.file).name),
+        sbatch=sbatch_lines(spec, loaded.cluster_name),
         workdir=spec.workdir.path if spec.workdir is not None else "~", env_file=env_file(loaded.cluster_name),
         activate=activation(spec, login), env=env, signal=s.signal, max_requeues=s.max_requeues,
         nproc=spec.launch.nproc_per_node or 1, max_restarts=spec.launch.max_restarts, torchrun_extra=extra,
@@ -115,7 +124,10 @@ class Login:
 
         argv = ["bash", "-s"] if self.host is None else ssh_argv(self.ssh_config or Path(), self.host, "bash", "-s")
         try:
-            return subprocess.run(argv, input=script, capture_output=True, text=True, timeout=timeout, check=False)
+            # its own session: a Ctrl-C at the terminal reaches nodeops, which decides (ssh is
+            # then ended by subprocess, or left to finish a submission)
+            return subprocess.run(argv, input=script, capture_output=True, text=True, timeout=timeout, check=False,
+                                  start_new_session=True)  # fmt: skip
         except subprocess.TimeoutExpired:
             raise SlurmError(f"{self.where}: no answer within {timeout:.0f}s") from None
 
@@ -139,11 +151,15 @@ def submit(login: Login, run_id: str, script: str, user_argv: Sequence[str]) -> 
         f'd={d}\nmkdir -p "$d/logs"\nchmod 700 "$d"\n'
         f'printf %s {b64} | base64 -d > "$d/{SCRIPT}"\n'
         "command -v sbatch >/dev/null || { echo 'sbatch is not on PATH here' >&2; exit 3; }\n"
-        f'NODEOPS_RUN_DIR="$d" NODEOPS_RUN_ID={sh_word(run_id)} '
-        f'sbatch --parsable --output="$d/{BATCH_LOG}" "$d/{SCRIPT}" {args}\n'
+        # the run dir reaches the job on sbatch's command line (SBATCH_EXPORT=NONE cannot drop it);
+        # the run id also goes into the job's comment, so squeue can name the run of any job
+        f'jid=$(sbatch --parsable --export="ALL,NODEOPS_RUN_DIR=$d,NODEOPS_RUN_ID={run_id}" '
+        f'--comment=nodeops-run={run_id} --output="$d/{BATCH_LOG}" "$d/{SCRIPT}" {args})\n'
+        'echo "NODEOPS_JOB=${jid%%;*}"\n'
     )
     p = login.run(text)
-    job_id = p.stdout.strip().split(";")[0]
+    found = [line.split("=", 1)[1] for line in p.stdout.splitlines() if line.startswith("NODEOPS_JOB=")]
+    job_id = found[-1] if found else ""
     if p.returncode != 0 or not job_id.isdigit():
         why = (p.stderr.strip() or p.stdout.strip() or f"exit {p.returncode}").splitlines()[-1]
         raise SlurmError(f"sbatch failed on {login.where}: {why}")
@@ -155,12 +171,22 @@ _POLL = r"""
 import json, os, subprocess
 a = json.loads(ARGS)
 d = os.path.expanduser(a["run_dir"])
-out = {"state": "", "reason": "", "exit": "", "nodes": "", "files": {}, "result": None}
-q = subprocess.run(["squeue", "-h", "-t", "all", "-j", a["job"], "-o", "%T|%r|%N"], capture_output=True, text=True)
-if q.returncode == 0 and q.stdout.strip():
-    out["state"], out["reason"], out["nodes"] = (q.stdout.strip().splitlines()[0].split("|") + ["", ""])[:3]
-s = subprocess.run(["scontrol", "show", "job", "-o", a["job"]], capture_output=True, text=True)
-for kv in s.stdout.split():
+out = {"state": "", "reason": "", "exit": "", "nodes": "", "files": {}, "result": None, "error": ""}
+def ask(argv):
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return "", f"{argv[0]}: {e}"
+    # a job Slurm no longer knows is an answer, not an error
+    bad = p.returncode != 0 and "Invalid job id" not in p.stderr
+    return p.stdout, (f"{argv[0]}: " + (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]) if bad else ""
+text, err1 = ask(["squeue", "-h", "-t", "all", "-j", a["job"], "-o", "%T|%r|%N"])
+if text.strip():
+    out["state"], out["reason"], out["nodes"] = (text.strip().splitlines()[0].split("|") + ["", ""])[:3]
+text, err2 = ask(["scontrol", "show", "job", "-o", a["job"]])
+if not out["state"] and err1 and err2:
+    out["error"] = err1 + "; " + err2
+for kv in text.split():
     k, _, v = kv.partition("=")
     if k == "ExitCode":
         out["exit"] = v
@@ -174,8 +200,11 @@ for name in names:
     off = a["offsets"].get(name, 0)
     try:
         with open(os.path.join(d, name), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
             if a["tail"]:
-                off = max(0, os.fstat(f.fileno()).st_size - a["max"])
+                off = max(0, size - a["max"])
+            elif off > size:
+                off = 0  # the file was truncated or replaced: read it again from its start
             f.seek(off)
             data = f.read(a["max"])
     except OSError:
@@ -185,8 +214,8 @@ for name in names:
         off, data = off + cut, data[cut:]
     if not a["all"] and b"\n" in data:
         data = data[: data.rfind(b"\n") + 1]  # whole lines only, until the job has ended
-    elif not a["all"]:
-        data = b""
+    elif not a["all"] and len(data) < a["max"]:
+        data = b""  # a line still being written (one longer than max goes out in pieces)
     out["files"][name] = [off, len(data), data.decode("utf-8", "replace")]
 try:
     with open(os.path.join(d, "result.json")) as f:
@@ -199,12 +228,25 @@ print(json.dumps(out))
 
 @dataclass
 class Poll:
-    state: str  # squeue/scontrol's long name, '' when Slurm no longer knows the job
+    state: str  # squeue/scontrol's long name, '' when Slurm no longer knows the job (or could not say)
     reason: str
     exit: str  # scontrol's ExitCode=code:signal
     nodes: str
     files: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # name -> (offset, bytes, text)
-    result: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None  # the batch script's result.json: {exit, restart, signal, requeued}
+    error: str = ""  # squeue and scontrol both failed: the state is not known (not: the job is gone)
+
+    @property
+    def forgotten(self) -> bool:
+        """Slurm answered and no longer knows the job (MinJobAge after its end)."""
+        return not self.state and not self.error
+
+    @property
+    def ended(self) -> bool:
+        """Nothing of the job runs any more: a final state, or forgotten with a final result."""
+        if self.state in TERMINAL:
+            return True
+        return self.forgotten and (self.result is None or not self.result.get("requeued"))
 
 
 def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_bytes: int = 1 << 20,
@@ -217,10 +259,14 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
     p = login.run(f"python3 - <<'NODEOPS_POLL'\n{code}\nNODEOPS_POLL\n")
     if p.returncode != 0:
         raise SlurmError(f"cannot read job {job_id} on {login.where}: {(p.stderr.strip() or 'no output')[-300:]}")
-    raw = json.loads(p.stdout)
-    return Poll(state=raw["state"], reason=raw["reason"], exit=raw["exit"], nodes=raw["nodes"],
-                files={k: (int(v[0]), int(v[1]), str(v[2])) for k, v in raw["files"].items()},
-                result=raw["result"])  # fmt: skip
+    try:
+        raw = json.loads(p.stdout.strip().splitlines()[-1])
+        return Poll(state=raw["state"], reason=raw["reason"], exit=raw["exit"], nodes=raw["nodes"],
+                    files={k: (int(v[0]), int(v[1]), str(v[2])) for k, v in raw["files"].items()},
+                    result=raw["result"], error=raw["error"])  # fmt: skip
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise SlurmError(f"cannot read job {job_id} on {login.where}: unexpected output "
+                         f"{p.stdout.strip()[-200:]!r}") from None  # fmt: skip
 
 
 def cancel(login: Login, job_id: str, *, kill: bool = False) -> str:
@@ -231,11 +277,15 @@ def cancel(login: Login, job_id: str, *, kill: bool = False) -> str:
 
 
 def wait_gone(login: Login, run_id: str, job_id: str, timeout: float) -> Poll:
-    """Poll until the job is in a final state (or Slurm forgot it), at most ``timeout`` seconds."""
+    """Poll until the job is in a final state (or Slurm forgot it), at most ``timeout`` seconds.
+    A poll that could not tell (squeue and scontrol failed) is never taken for "gone"."""
     deadline = time.monotonic() + timeout
     while True:
-        st = poll(login, run_id, job_id, {}, max_bytes=0)
-        if st.state in TERMINAL or st.state == "" or time.monotonic() > deadline:
+        try:
+            st = poll(login, run_id, job_id, {}, max_bytes=0)
+        except SlurmError as e:
+            st = Poll(state="", reason="", exit="", nodes="", error=str(e))
+        if st.state in TERMINAL or st.forgotten or time.monotonic() > deadline:
             return st
         time.sleep(0.5)
 
@@ -257,9 +307,16 @@ class Follower:
         self.first_line_at: float | None = None
 
     def step(self, whole: bool = False) -> Poll:
+        """One poll; with ``whole``, as many as it takes to reach the end of every log."""
+        st = self._step(whole)
+        while whole and any(nbytes for _, nbytes, _ in st.files.values()):
+            st = self._step(whole)
+        return st
+
+    def _step(self, whole: bool) -> Poll:
         st = poll(self.login, self.run_id, self.job_id, self.offsets, whole=whole)
         for name, (off, nbytes, text) in sorted(st.files.items()):
-            if off != self.offsets.get(name, 0):
+            if off > self.offsets.get(name, 0):
                 continue
             self.offsets[name] = off + nbytes
             host = host_of(name)
@@ -271,17 +328,31 @@ class Follower:
                     self.emit(host, line)
         return st
 
-    def until_end(self, interval: float = 0.5, on_poll: Callable[[Poll], None] | None = None) -> Poll:
-        """Follow until Slurm says the job has ended; then read what is left of every log."""
+    def until_end(self, interval: float = 0.5, on_poll: Callable[[Poll], None] | None = None,
+                  patience: float = 60) -> Poll:  # fmt: skip
+        """Follow until the job has ended (or Slurm forgot it); then read what is left of every
+        log. Polls that fail (ssh, or squeue and scontrol) are retried for ``patience`` seconds,
+        then SlurmError says the job may still run."""
+        failing_since: float | None = None
         while True:
-            st = self.step()
-            if on_poll is not None:
-                on_poll(st)
-            if st.state in TERMINAL or (st.state == "" and st.result is not None):
-                break
+            try:
+                st = self.step()
+                problem = st.error
+            except SlurmError as e:
+                problem = str(e)
+            if problem:
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since > patience:
+                    raise SlurmError(f"{problem} (for {patience:.0f}s); job {self.job_id} may still be running")
+            else:
+                failing_since = None
+                if on_poll is not None:
+                    on_poll(st)
+                if st.ended:
+                    break
             time.sleep(interval)
         final = self.step(whole=True)
-        return final if final.state else st
+        return final if final.state or final.forgotten else st
 
 
 TAIL_LINES = 200
@@ -319,7 +390,7 @@ def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tup
 def exit_code(st: Poll, batch_lines: Sequence[str] = (), tails: Tails | None = None) -> int:
     """What `nodeops launch` exits with for a finished job: 0; the first failing task's code
     (srun's own exit is often 143 from stopping the others); 130 when cancelled."""
-    if st.state == "COMPLETED":
+    if st.state == "COMPLETED" or (st.forgotten and st.result is not None and st.result.get("exit") == 0):
         return 0
     if st.state == "CANCELLED":
         return 130
@@ -332,7 +403,11 @@ def exit_code(st: Poll, batch_lines: Sequence[str] = (), tails: Tails | None = N
 
 
 def describe(st: Poll) -> str:
+    if st.error and not st.state:
+        return f"state unknown ({st.error})"
     if not st.state:
+        if st.result is not None:
+            return f"ended (exit {st.result.get('exit')}; Slurm has forgotten it since)"
         return "unknown to Slurm now (it forgets jobs MinJobAge after they end)"
     out = st.state
     if st.state == "PENDING" and st.reason not in ("", "None"):

@@ -536,10 +536,11 @@ class LaunchSpec(_Model):
 SBATCH_OWNED = frozenset({
     "output", "error", "open-mode", "signal", "nodes", "ntasks", "ntasks-per-node", "parsable", "requeue",
     "no-requeue", "chdir", "wrap", "gpus", "gpus-per-node", "gres", "partition", "account", "qos", "time",
-    "cpus-per-task", "mem", "constraint", "exclusive", "job-name", "export", "array", "wait",
+    "cpus-per-task", "mem", "constraint", "exclusive", "job-name", "export", "array", "wait", "comment",
+    "clusters", "hold", "test-only", "mem-per-cpu", "mem-per-gpu", "gpus-per-task", "ntasks-per-gpu",
 })  # fmt: skip
 _SBATCH_NAME = re.compile(r"[a-z][a-z0-9-]{0,40}")
-_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:=@%/+*&|!\[\]-]{1,200}")
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9_.,:=@%/+\[\]-]{1,200}")
 _SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}")  # M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
 _SLURM_WORD = re.compile(r"[A-Za-z0-9_.,:@%+-]{1,100}")
 
@@ -552,7 +553,9 @@ def _slurm_word(value: str | None, what: str, example: str) -> str | None:
 
 
 class SlurmSignal(_Model):
-    name: Literal["USR1", "USR2", "TERM", "INT", "HUP", "URG"] = Field(
+    # Not TERM or INT: scancel sends TERM (a stop would look like the time limit and requeue),
+    # and srun takes one INT as a request for its tasks' status.
+    name: Literal["USR1", "USR2"] = Field(
         "USR1", description="Signal sent before the time limit; torchrun forwards it to every rank."
     )
     seconds: Annotated[int, Field(ge=1, le=65535)] = Field(
@@ -573,7 +576,7 @@ class SlurmSpec(_Model):
     qos: str | None = Field(None, description="sbatch --qos.")
     time: str | None = Field(None, description="sbatch --time: MM, HH:MM:SS, D-HH or D-HH:MM:SS.")
     nodes: Annotated[int, Field(ge=1)] = Field(1, description="sbatch --nodes: how many nodes the job gets.")
-    gpus_per_node: Annotated[int, Field(ge=0)] | None = Field(
+    gpus_per_node: Annotated[int, Field(ge=1)] | None = Field(
         None, description="sbatch --gpus-per-node; torchrun starts one rank per GPU Slurm gives a node."
     )
     gpus: Annotated[int, Field(ge=1)] | None = Field(
@@ -626,8 +629,11 @@ class SlurmSpec(_Model):
             name = k.removeprefix("--")
             if not _SBATCH_NAME.fullmatch(name):
                 raise _err(f"{k!r} is not an sbatch option name", "use the long name without value, e.g. reservation")
-            if name in SBATCH_OWNED:
-                raise _err(f"sbatch_extra may not set --{name}: nodeops writes it",
+            # sbatch takes any unique prefix of an option (getopt_long): --sig is --signal
+            owned = sorted(o for o in SBATCH_OWNED if o.startswith(name))
+            if owned:
+                raise _err(f"sbatch_extra may not set --{owned[0] if name in owned else name}"
+                           + ("" if name in owned else f" (sbatch reads it as --{owned[0]})") + ": nodeops writes it",
                            "use the slurm section's own field, or leave it to nodeops")  # fmt: skip
             if not isinstance(value, bool) and not _SBATCH_VALUE.fullmatch(str(value)):
                 raise _err(f"sbatch_extra {k}: {value!r} has spaces, quotes or other characters sbatch would split",

@@ -54,7 +54,13 @@ def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
         ("sbatch_extra: {--signal: USR2}", "may not set --signal"),
         ("sbatch_extra: {nodes: 4}", "may not set --nodes"),
         ("sbatch_extra: {'bad name': x}", "is not an sbatch option name"),
-        ("sbatch_extra: {comment: 'a\"b'}", "characters sbatch would split"),
+        ("sbatch_extra: {mail-user: 'a\"b'}", "characters sbatch would split"),
+        ("sbatch_extra: {mail-user: 'a&b'}", "characters sbatch would split"),
+        ("sbatch_extra: {sig: 'B:TERM@1'}", "may not set --sig (sbatch reads it as --signal)"),
+        ("sbatch_extra: {part: x}", "(sbatch reads it as --partition)"),
+        ("sbatch_extra: {comment: x}", "may not set --comment"),
+        ("signal: {name: TERM}", "Input should be 'USR1' or 'USR2'"),
+        ("gpus_per_node: 0", "greater than or equal to 1"),
         ("time: '1:2:3:4'", "is not a Slurm time limit"),
         ("mem: 64GB", "is not a Slurm memory size"),
         ("gpus: 1", "fewer than nodes"),
@@ -152,8 +158,10 @@ def test_submit_passes_hostile_arguments_literally(fake_slurm: Path) -> None:
     [(tool, argv, env)] = calls(fake_slurm)
     rdir = fake_slurm / "home" / ".nodeops" / "runs" / "20261123-010203-abcd"
     assert tool == "sbatch"
-    assert argv == ["--parsable", f"--output={rdir}/batch.log", f"{rdir}/job.sbatch", *HOSTILE]
-    assert env == {"NODEOPS_RUN_DIR": str(rdir), "NODEOPS_RUN_ID": "20261123-010203-abcd"}
+    assert argv == ["--parsable", f"--export=ALL,NODEOPS_RUN_DIR={rdir},NODEOPS_RUN_ID=20261123-010203-abcd",
+                    "--comment=nodeops-run=20261123-010203-abcd", f"--output={rdir}/batch.log", f"{rdir}/job.sbatch",
+                    *HOSTILE]  # fmt: skip
+    assert env == {}  # the run reaches the job through --export, not sbatch's own environment
     assert (rdir / "job.sbatch").read_text() == "#!/bin/bash\necho hi\n"
     assert oct((rdir).stat().st_mode & 0o777) == "0o700" and (rdir / "logs").is_dir()
     assert not Path("/tmp/pwned").exists()
@@ -182,7 +190,7 @@ def test_poll_reads_whole_lines_from_where_it_left_off(fake_slurm: Path) -> None
     (d / "logs" / "node1.log").open("a").write("no newline at the end")
     fol.step(whole=True)  # at the job's end the rest is read too
     assert list(fol.tails["node1"])[-1] == "no newline at the end"
-    assert [c[0] for c in calls(fake_slurm)].count("squeue") == 3
+    assert [c[0] for c in calls(fake_slurm)].count("squeue") == 4  # the last read goes on until nothing is left
 
 
 def test_cancel_escalates_to_kill_full(fake_slurm: Path) -> None:
@@ -264,3 +272,61 @@ def test_launch_options_without_meaning_on_slurm_are_refused_before_anything_run
     assert "#SBATCH --gpus=4" in r.output
     r = cli.invoke(app, ["check", "--fabric", str(spec)])
     assert r.exit_code == 2 and "--fabric cannot be used with backend: slurm" in r.output
+
+
+def test_poll_tells_a_forgotten_job_from_a_failing_controller(fake_slurm: Path) -> None:
+    bin_dir = fake_slurm / "bin"
+    for tool in ("squeue", "scontrol"):
+        (bin_dir / tool).write_text("#!/bin/sh\necho 'slurm_load_jobs error: Invalid job id specified' >&2\nexit 1\n")
+    st = slurm.poll(slurm.Login(None), "r3", "4242", {})
+    assert st.forgotten and not st.error and st.ended
+    for tool in ("squeue", "scontrol"):
+        (bin_dir / tool).write_text("#!/bin/sh\necho 'slurm_load_jobs error: Socket timed out on send/recv' >&2\n"
+                                    "exit 1\n")  # fmt: skip
+    st = slurm.poll(slurm.Login(None), "r3", "4242", {})
+    assert not st.forgotten and not st.ended and "Socket timed out" in st.error
+    assert slurm.describe(st).startswith("state unknown (squeue: slurm_load_jobs error: Socket timed out")
+    fol = slurm.Follower(slurm.Login(None), "r3", "4242", None)
+    with pytest.raises(slurm.SlurmError, match="job 4242 may still be running"):
+        fol.until_end(interval=0.05, patience=0.3)
+    # a job that wrote its result and was then forgotten by Slurm ended, with that result
+    d = fake_slurm / "home" / ".nodeops" / "runs" / "r3"
+    d.mkdir(parents=True)
+    (d / "result.json").write_text('{"exit": 0, "restart": 0, "signal": "", "requeued": false}\n')
+    for tool in ("squeue", "scontrol"):
+        (bin_dir / tool).write_text("#!/bin/sh\necho 'Invalid job id specified' >&2\nexit 1\n")
+    st = fol.until_end(interval=0.05)
+    assert st.forgotten and slurm.exit_code(st) == 0
+    assert slurm.describe(st) == "ended (exit 0; Slurm has forgotten it since)"
+
+
+def test_a_truncated_log_is_read_again_from_its_start(fake_slurm: Path) -> None:
+    d = fake_slurm / "home" / ".nodeops" / "runs" / "r4" / "logs"
+    d.mkdir(parents=True)
+    (d / "node1.log").write_text("one\ntwo\nthree\n")
+    fol = slurm.Follower(slurm.Login(None), "r4", "4242", None)
+    fol.step()
+    (d / "node1.log").write_text("new\n")
+    fol.step()
+    assert list(fol.tails["node1"]) == ["one", "two", "three", "new"]
+
+
+def test_ctrl_c_while_sbatch_runs_still_records_the_job_and_cancels_it(
+    fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from nodeops import jobs
+    from nodeops.cli import app
+
+    monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
+    (fake_slurm / "bin" / "sbatch").write_text(f"#!/bin/sh\nkill -INT {os.getpid()}\nsleep 0.2\necho 4343\n")
+    (fake_slurm / "bin" / "squeue").write_text("#!/bin/sh\necho 'CANCELLED|None|node[1-2]'\n")
+    spec = tmp_path / "local.yaml"
+    spec.write_text("slurm: {nodes: 2}\nnodes: [{address: 10.0.0.1}]\n")
+    r = CliRunner().invoke(app, ["launch", str(spec), "--", "t.py"])
+    assert r.exit_code == 130, r.output
+    assert "interrupted while submitting: job 4343 cancelled" in r.output
+    job = jobs.find(None)
+    assert job.slurm_job == "4343" and job.backend == "slurm"
+    assert [c[1] for c in calls(fake_slurm) if c[0] == "scancel"][:1] == [["4343"]]

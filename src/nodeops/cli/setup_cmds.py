@@ -20,6 +20,9 @@ PHASE_TAGS = ("install", "configure", "verify")
 # on the spec, with line numbers, and the controller's files (render.controller_issues), before
 # any host is touched. Infra repos running the roles keep them.
 ROLE_INPUT_CHECKS = tuple(f"{r}_preflight" for r in ROLE_TAGS if r != "packages")
+# On Slurm, setup prepares the shared filesystem through the login node: the Python env, the
+# workdir and the env file. The ssh mesh and DeepSpeed's hostfile are for ssh launches.
+NOT_ON_SLURM = ("ssh_mesh", "deepspeed_env")
 
 
 def _progress_table(results: dict[str, HostResult]) -> object:
@@ -138,6 +141,12 @@ def setup(
         hosts = list(by_name)
         tag_list = [t for item in (tags or []) for t in item.split(",") if t]
         check_targets(tag_list)
+        skip = ROLE_INPUT_CHECKS
+        if loaded.spec.on_slurm:
+            if any(t in NOT_ON_SLURM for t in tag_list):
+                fail(f"error: --tags {', '.join(t for t in tag_list if t in NOT_ON_SLURM)}: not used with "
+                     "backend: slurm (nothing was run)", EXIT_SPEC)  # fmt: skip
+            skip = (*skip, *NOT_ON_SLURM)
         limited = resolve_limit(by_name, limit)
         require_controller_files(loaded, os.environ, setup=True, tags=tag_list)
         if gpus.auto_nodes(loaded):  # before rendering: the hostfile's slots and nodeops_gpus need them
@@ -148,7 +157,7 @@ def setup(
                 err("==> gpus: auto: " + ", ".join(said))
         inv = inventory(loaded, os.environ)
         chief = hosts[0]
-        if limited and chief not in limited and (not tag_list or "ssh_mesh" in tag_list):
+        if limited and chief not in limited and (not tag_list or "ssh_mesh" in tag_list) and "ssh_mesh" not in skip:
             limited.insert(0, chief)
             err(f"note: the chief {chief} joins --limit: ssh_mesh needs its key (use --tags to skip ssh_mesh)")
         limit = ",".join(limited) if limited else None
@@ -163,7 +172,7 @@ def setup(
             try:
                 result = run_playbook(
                     "setup.yml", inv, secrets=secret_values, limit=limit, tags=tag_list,
-                    skip_tags=ROLE_INPUT_CHECKS, check=check, diff=diff, verbosity=verbose,
+                    skip_tags=skip, check=check, diff=diff, verbosity=verbose,
                     on_update=update, cancel=cancel,
                 )  # fmt: skip
             except KeyboardInterrupt:

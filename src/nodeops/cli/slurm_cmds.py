@@ -3,7 +3,10 @@ through sbatch/squeue/scancel on the login node (see nodeops.slurm)."""
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,15 +57,27 @@ def launch(loaded: LoadedSpec, spec_path: Path, user_argv: list[str], *, attach:
     (local / slurm.SCRIPT).write_text(script)
     t0 = time.monotonic()
     err(f"==> run {run_id}: sbatch on {login.where} ({loaded.spec.slurm.nodes if loaded.spec.slurm else 0} node(s))")
-    try:
-        job_id = slurm.submit(login, run_id, script, user_argv)
-    except slurm.SlurmError as e:
-        fail(f"launch failed: {e}", EXIT_FAILURE)
-    job = jobs.Job(run_id=run_id, dir=local, hosts=[login.host or "localhost"], argv=user_argv, runner="torchrun",
-                   chief=login.host or "localhost", spec=str(spec_path.resolve()), started=time.time(),
-                   backend="slurm", slurm_job=job_id, slurm_login=login.host or "")  # fmt: skip
-    job.save()
+    # Ctrl-C or SIGTERM while sbatch runs waits until the job's record is saved, then cancels it:
+    # a job is never queued without a record to stop it by.
+    with deferred_interrupts() as interrupted:
+        try:
+            job_id = slurm.submit(login, run_id, script, user_argv)
+        except slurm.SlurmError as e:
+            job_id = ""
+            why = str(e)
+        if job_id:
+            job = jobs.Job(run_id=run_id, dir=local, hosts=[login.host or "localhost"], argv=user_argv,
+                           runner="torchrun", chief=login.host or "localhost", spec=str(spec_path.resolve()),
+                           started=time.time(), backend="slurm", slurm_job=job_id,
+                           slurm_login=login.host or "")  # fmt: skip
+            job.save()
+    if not job_id:
+        fail(f"launch failed: {why}" + ("; interrupted" if interrupted else ""), 130 if interrupted else EXIT_FAILURE)
     err(f"==> submitted Slurm job {job_id} in {time.monotonic() - t0:.1f}s")
+    if interrupted:
+        with jobs.ignoring_interrupts():
+            _st, how = cancel(job)
+        fail(f"==> run {run_id} interrupted while submitting: job {job_id} cancelled; {how}", 130)
     if not attach:
         err(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
         typer.echo(run_id)
@@ -75,6 +90,21 @@ def launch(loaded: LoadedSpec, spec_path: Path, user_argv: list[str], *, attach:
     (local / "result.json").write_text(json.dumps({"slurm": {"state": st.state, "exit": st.exit,
                                                              "result": st.result}}))  # fmt: skip
     verdict(job, st)
+
+
+NO_LOG_WARN = 20.0  # seconds RUNNING without a batch log before `follow` says the run dir may not be shared
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM inside are recorded, not raised: the list says which came."""
+    got: list[int] = []
+    saved = {sig: signal.signal(sig, lambda n, _f: got.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield got
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _login(loaded: LoadedSpec, cfg: Path) -> Login:
@@ -98,16 +128,28 @@ def follow(job: Job, *, cancel_on_interrupt: bool) -> Poll:
 
     login = login_for(job)
     fol = slurm.Follower(login, job.run_id, job.slurm_job, emit_line)
-    seen = {"state": ""}
+    seen: dict[str, object] = {"state": "", "running_since": None, "warned": False}
 
     def on_poll(st: slurm.Poll) -> None:
         if st.state and st.state != seen["state"]:
             seen["state"] = st.state
             err(f"==> job {job.slurm_job}: {slurm.describe(st)}")
             remember(job, st)
+        if st.state == "RUNNING" and slurm.BATCH_LOG not in st.files and not seen["warned"]:
+            since = seen["running_since"] = seen["running_since"] or time.monotonic()
+            assert isinstance(since, float)
+            if time.monotonic() - since > NO_LOG_WARN:
+                seen["warned"] = True
+                err(
+                    f"warning: job {job.slurm_job} has run {NO_LOG_WARN:.0f}s and its batch log is not in "
+                    f"~/.nodeops/runs/{job.run_id} on {login.where}: is that dir on a filesystem the nodes share?"
+                )
 
     try:
         return fol.until_end(on_poll=on_poll)
+    except slurm.SlurmError as e:
+        fail(f"==> lost track of job {job.slurm_job}: {e}; see `nodeops status {job.run_id}`, "
+             f"`nodeops stop {job.run_id}` cancels it", EXIT_FAILURE)  # fmt: skip
     except KeyboardInterrupt:
         if not cancel_on_interrupt:
             err(f"==> stopped following; job {job.slurm_job} goes on (nodeops stop {job.run_id} cancels it)")
@@ -130,8 +172,8 @@ def verdict(job: Job, st: Poll) -> None:
     """Report a finished job like an ssh run: the node whose failure started it and its last lines."""
     from nodeops import jobs, slurm
 
-    if st.state == "COMPLETED":
-        err(f"==> run {job.run_id} finished: job {job.slurm_job} COMPLETED on {st.nodes or '?'}")
+    if slurm.exit_code(st) == 0:
+        err(f"==> run {job.run_id} finished: job {job.slurm_job} {slurm.describe(st)}")
         return
     if st.state == "CANCELLED":
         fail(f"==> run {job.run_id}: job {job.slurm_job} was cancelled", 130)
@@ -187,14 +229,14 @@ def cancel(job: Job) -> tuple[Poll, str]:
 def status(job: Job) -> None:
     from nodeops import slurm
 
-    login = login_for(job)
-    st = slurm.poll(login, job.run_id, job.slurm_job, {}, max_bytes=0)
+    st = slurm.poll(login_for(job), job.run_id, job.slurm_job, {}, max_bytes=0)
     remember(job, st)
-    if not st.state and job.slurm_state:
+    if st.forgotten and job.slurm_state:
         st.state = job.slurm_state  # Slurm has forgotten it: the last state seen here
     typer.echo(f"job {job.slurm_job:10} {slurm.describe(st)}")
-    if st.state and st.state not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "COMPLETED", "REQUEUED",
-                                     "SUSPENDED", "RESIZING"):  # fmt: skip
+    if st.error or (st.state and st.state not in slurm.LIVE and st.state != "COMPLETED"):
+        raise typer.Exit(EXIT_FAILURE)
+    if not st.state and slurm.exit_code(st) != 0:
         raise typer.Exit(EXIT_FAILURE)
 
 
