@@ -4,7 +4,7 @@
 On a 3-node Slurm sandbox (`nodeops sandbox up --slurm`, started here unless it is up), set up
 once with torch from a wheelhouse, each of R rounds measures:
 
-- baseline: `srun --nodes=3 --ntasks-per-node=1 true` on the login node, over the same ssh: the
+- baseline: `srun --nodes=3 --ntasks-per-node=1 hostname` on the login node, over the same ssh: the
   scheduler's own floor for starting a step on every node and seeing it end;
 - submit -> first rank line: `nodeops launch --attach` of the DDP example, from the command's
   start to the first line a rank printed (`nodeX [rankN]:...`), which includes sbatch, the
@@ -109,9 +109,9 @@ def main() -> None:
             base, first, stop_ret, stop_clear = [], [], [], []
             for i in range(args.rounds):
                 t0 = time.monotonic()
-                b = run("ssh", "-F", str(sb.ssh_config), "node1", "srun --nodes=3 --ntasks-per-node=1 true")
-                if b.returncode != 0:
-                    raise SystemExit(f"srun failed: {b.stderr}")
+                b = run("ssh", "-F", str(sb.ssh_config), "node1", "srun --nodes=3 --ntasks-per-node=1 hostname")
+                if b.returncode != 0 or sorted(b.stdout.split()) != ["node1", "node2", "node3"]:
+                    raise SystemExit(f"srun failed: {b.stdout} {b.stderr}")
                 base.append(time.monotonic() - t0)
                 first.append(first_rank_line(spec))
                 r, c = stop_latency(sb, spec)
@@ -121,7 +121,7 @@ def main() -> None:
                       f"stop {r:.2f}s / clear {c:.2f}s", file=sys.stderr)  # fmt: skip
         floor = statistics.median(base)
         print(f"{'measure (median of ' + str(args.rounds) + ')':42} {'seconds':>8} {'x srun floor':>13}")
-        for label, values in (("baseline: srun -N3 true (ssh to login)", base),
+        for label, values in (("baseline: srun -N3 hostname (ssh to login)", base),
                               ("launch --attach: submit -> first rank line", first),
                               ("stop: until the command returns", stop_ret),
                               ("stop: until no process is left on any node", stop_clear)):  # fmt: skip

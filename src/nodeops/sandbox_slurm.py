@@ -120,7 +120,7 @@ def node_script(conf: str, gres: str, key: bytes, gpus: int, controller: bool) -
     ]
     for i in range(gpus):
         lines.append(f"[ -e /dev/nvidia{i} ] || mknod -m 0666 /dev/nvidia{i} c 1 3")
-    lines.append("pgrep -x munged >/dev/null || su -s /bin/sh munge -c /usr/sbin/munged")
+    lines.append("pgrep -x munged >/dev/null || su -s /bin/sh munge -c '/usr/sbin/munged --force'")
     lines.append("for _ in $(seq 50); do munge -n >/dev/null 2>&1 && break; sleep 0.1; done")
     daemons = ["slurmctld", "slurmd"] if controller else ["slurmd"]
     for d in daemons:

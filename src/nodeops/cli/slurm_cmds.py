@@ -146,7 +146,11 @@ def follow(job: Job, *, cancel_on_interrupt: bool) -> Poll:
                 )
 
     try:
-        return fol.until_end(on_poll=on_poll)
+        st = fol.until_end(on_poll=on_poll)
+        last = str(seen["state"] or job.slurm_state)
+        if st.forgotten and st.result is None and last in slurm.TERMINAL:
+            st.state = last  # Slurm forgot it before we looked again: the last state seen
+        return st
     except slurm.SlurmError as e:
         fail(f"==> lost track of job {job.slurm_job}: {e}; see `nodeops status {job.run_id}`, "
              f"`nodeops stop {job.run_id}` cancels it", EXIT_FAILURE)  # fmt: skip
