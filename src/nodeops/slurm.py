@@ -194,6 +194,16 @@ for kv in text.split():
         out["state"] = v
     elif k == "Reason" and not out["reason"]:
         out["reason"] = v
+if not out["state"] and not out["error"]:
+    # forgotten by slurmctld (MinJobAge): the accounting database, where there is one, still knows it
+    try:
+        p = subprocess.run(["sacct", "-X", "-n", "-P", "-j", a["job"], "-o", "State,ExitCode,NodeList"],
+                           capture_output=True, text=True, timeout=30)
+        row = p.stdout.strip().splitlines()[-1].split("|") if p.returncode == 0 and p.stdout.strip() else []
+        if len(row) == 3:
+            out["state"], out["exit"], out["nodes"] = row[0].split()[0], row[1], row[2]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 names = [a["batch"]] + sorted("logs/" + f for f in os.listdir(os.path.join(d, "logs"))
                               if f.endswith(".log")) if os.path.isdir(os.path.join(d, "logs")) else [a["batch"]]
 for name in names:

@@ -133,7 +133,7 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     rec = tmp_path / "calls"
     scontrol = "JobId=4242 JobState=RUNNING Reason=None ExitCode=0:0"
     for tool, out in (("sbatch", "4242;cluster"), ("squeue", "RUNNING|None|node[1-2]"), ("scontrol", scontrol),
-                      ("scancel", "")):  # fmt: skip
+                      ("scancel", ""), ("sacct", "")):  # fmt: skip
         script = bin_dir / tool
         script.write_text(
             "#!/usr/bin/env python3\nimport json, os, sys\n"
@@ -330,3 +330,15 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_job_and_cancels_it(
     job = jobs.find(None)
     assert job.slurm_job == "4343" and job.backend == "slurm"
     assert [c[1] for c in calls(fake_slurm) if c[0] == "scancel"][:1] == [["4343"]]
+
+
+def test_a_job_slurmctld_forgot_is_read_from_accounting_where_there_is_one(fake_slurm: Path) -> None:
+    bin_dir = fake_slurm / "bin"
+    for tool in ("squeue", "scontrol"):
+        (bin_dir / tool).write_text("#!/bin/sh\necho 'Invalid job id specified' >&2\nexit 1\n")
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho 'CANCELLED by 1000|0:15|node[1-2]'\n")
+    st = slurm.poll(slurm.Login(None), "r5", "4242", {})
+    assert (st.state, st.exit, st.nodes) == ("CANCELLED", "0:15", "node[1-2]")
+    assert slurm.exit_code(st) == 130
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
+    assert slurm.poll(slurm.Login(None), "r5", "4242", {}).forgotten
