@@ -9,6 +9,7 @@ from the chief is the one reported.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -414,7 +415,8 @@ def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -
         try:
             p = where.run(script, timeout=timeout + 30)
         except BaseException:  # a timeout or Ctrl-C ends our ssh, not the srun step behind it
-            where.run(f'scancel --name={sh_word(name)} --user="$(id -un)"', timeout=30)
+            with contextlib.suppress(Exception):
+                where.run(f'scancel --name={sh_word(name)} --user="$(id -un)"', timeout=30)
             raise
     facts = [json.loads(line[len(probe.MARK) :]) for line in p.stdout.splitlines() if line.startswith(probe.MARK)]
     if not facts:

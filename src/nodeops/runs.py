@@ -182,8 +182,11 @@ def slurm_state(run: Run) -> None:
         run.state, run.exit_code, run.verdict = ("ok" if code == 0 else "failed"), slurm.exit_code(st), True
         run.detail = f"Slurm job {j.slurm_job}: {slurm.describe(st)}"
         return
-    state = st.state or j.slurm_state
-    run.state = _slurm_states().get(state, "failed" if state else "unknown")
+    state = st.state or (j.slurm_state if j.slurm_state in slurm.TERMINAL else "")
+    if not state:  # forgotten, with neither a final state seen nor a result: it ended, how is lost
+        run.state, run.detail = "gone", f"Slurm job {j.slurm_job}: ended; Slurm has forgotten how (no result.json)"
+        return
+    run.state = _slurm_states().get(state, "failed")
     run.detail = f"Slurm job {j.slurm_job}: {slurm.describe(st) if st.state else state or 'forgotten by Slurm'}"
     if run.state in ("ok", "failed", "stopped"):
         run.exit_code = slurm.exit_code(dataclasses.replace(st, state=state))

@@ -30,6 +30,7 @@ from nodeops.quoting import sh_path, sh_run_word, sh_word
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec, ResourceSpec
 
+COMMENT = "nodeops-run="  # the job's --comment: nodeops-run=RUN_ID
 PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN: below Linux's ephemeral range
 PORT_SPAN = 10000
 BATCH_LOG = "batch.log"
@@ -42,6 +43,7 @@ LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_
         "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD")  # fmt: skip
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun handles unless told
 RESTART_MARK = "nodeops: requeued, restart"  # in each node's log where a requeued run starts
+READ_MAX = 1 << 20  # bytes of one log read per poll
 KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
 
 
@@ -151,13 +153,22 @@ def submit(login: Login, run_id: str, script: str, user_argv: Sequence[str]) -> 
         f'd={d}\nmkdir -p "$d/logs"\nchmod 700 "$d"\n'
         f'printf %s {b64} | base64 -d > "$d/{SCRIPT}"\n'
         "command -v sbatch >/dev/null || { echo 'sbatch is not on PATH here' >&2; exit 3; }\n"
-        # the run dir reaches the job on sbatch's command line (SBATCH_EXPORT=NONE cannot drop it);
-        # the run id also goes into the job's comment, so squeue can name the run of any job
-        f'jid=$(sbatch --parsable --export="ALL,NODEOPS_RUN_DIR=$d,NODEOPS_RUN_ID={run_id}" '
-        f'--comment=nodeops-run={run_id} --output="$d/{BATCH_LOG}" "$d/{SCRIPT}" {args})\n'
+        # the run dir reaches the job by name on sbatch's command line (SBATCH_EXPORT=NONE cannot
+        # drop it; values would be split at commas); the run id also goes into the job's comment,
+        # so a job whose sbatch did not answer in time can be found again
+        'exp=${SBATCH_EXPORT:-ALL}; case $exp in NONE|NIL|none|nil) exp=;; *) exp="$exp,";; esac\n'
+        f'jid=$(NODEOPS_RUN_DIR="$d" NODEOPS_RUN_ID={run_id} sbatch --parsable '
+        f'--export="${{exp}}NODEOPS_RUN_DIR,NODEOPS_RUN_ID" --comment={COMMENT}{run_id} '
+        f'--output="$d/{BATCH_LOG}" "$d/{SCRIPT}" {args})\n'
         'echo "NODEOPS_JOB=${jid%%;*}"\n'
     )
-    p = login.run(text)
+    try:
+        p = login.run(text)
+    except SlurmError as e:  # no answer in time: sbatch may still have queued it, under our comment
+        job_id = find_job(login, run_id)
+        if job_id:
+            return job_id
+        raise SlurmError(f"{e}; squeue shows no job of run {run_id}, so none was queued") from None
     found = [line.split("=", 1)[1] for line in p.stdout.splitlines() if line.startswith("NODEOPS_JOB=")]
     job_id = found[-1] if found else ""
     if p.returncode != 0 or not job_id.isdigit():
@@ -256,10 +267,10 @@ class Poll:
         """Nothing of the job runs any more: a final state, or forgotten with a final result."""
         if self.state in TERMINAL:
             return True
-        return self.forgotten and (self.result is None or not self.result.get("requeued"))
+        return self.forgotten  # Slurm never forgets a job that is still queued or requeued
 
 
-def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_bytes: int = 1 << 20,
+def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_bytes: int = READ_MAX,
          whole: bool = False, tail: bool = False) -> Poll:  # fmt: skip
     """The job's state and each log's bytes from ``offsets`` on (whole lines, unless ``whole``);
     ``tail``: each log's last ``max_bytes`` instead."""
@@ -277,6 +288,13 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
     except (ValueError, KeyError, IndexError, TypeError):
         raise SlurmError(f"cannot read job {job_id} on {login.where}: unexpected output "
                          f"{p.stdout.strip()[-200:]!r}") from None  # fmt: skip
+
+
+def find_job(login: Login, run_id: str) -> str:
+    """The id of this user's job whose comment names the run ('' when there is none)."""
+    p = login.run(f"squeue --me -h -t all -o '%i %k' | grep -F -- {sh_word(' ' + COMMENT + run_id)} | head -n 1")
+    head = p.stdout.split()[:1]
+    return head[0] if head and head[0].isdigit() else ""
 
 
 def cancel(login: Login, job_id: str, *, kill: bool = False) -> str:
@@ -314,28 +332,42 @@ class Follower:
         self.login, self.run_id, self.job_id, self.emit = login, run_id, job_id, emit
         self.offsets: dict[str, int] = {}
         self.tails: dict[str, deque[str]] = {}
+        self.partial: dict[str, str] = {}  # a line a read ended inside of, until its end comes
         self.first_line_at: float | None = None
 
     def step(self, whole: bool = False) -> Poll:
-        """One poll; with ``whole``, as many as it takes to reach the end of every log."""
+        """One poll; with ``whole``, as many as it takes to reach the end of every log (a full
+        read means more is there; a job that keeps writing cannot keep this going), and then
+        the last line even without its newline."""
         st = self._step(whole)
-        while whole and any(nbytes for _, nbytes, _ in st.files.values()):
+        while whole and any(nbytes >= READ_MAX for _, nbytes, _ in st.files.values()):
             st = self._step(whole)
+        if whole:
+            for name, rest in sorted(self.partial.items()):
+                if rest:
+                    self._line(host_of(name), rest)
+            self.partial.clear()
         return st
+
+    def _line(self, host: str, line: str) -> None:
+        if self.first_line_at is None and host != "batch":
+            self.first_line_at = time.monotonic()
+        self.tails.setdefault(host, deque(maxlen=TAIL_LINES)).append(line)
+        if self.emit is not None:
+            self.emit(host, line)
 
     def _step(self, whole: bool) -> Poll:
         st = poll(self.login, self.run_id, self.job_id, self.offsets, whole=whole)
         for name, (off, nbytes, text) in sorted(st.files.items()):
             if off > self.offsets.get(name, 0):
                 continue
+            if off < self.offsets.get(name, 0):
+                self.partial.pop(name, None)  # the file was truncated: it is read again from its start
             self.offsets[name] = off + nbytes
-            host = host_of(name)
-            for line in text.splitlines():
-                if self.first_line_at is None and host != "batch":
-                    self.first_line_at = time.monotonic()
-                self.tails.setdefault(host, deque(maxlen=TAIL_LINES)).append(line)
-                if self.emit is not None:
-                    self.emit(host, line)
+            lines = (self.partial.pop(name, "") + text).split("\n")
+            self.partial[name] = lines.pop()  # '' after a newline; else the start of a line
+            for line in lines:
+                self._line(host_of(name), line.removesuffix("\r"))
         return st
 
     def until_end(self, interval: float = 0.5, on_poll: Callable[[Poll], None] | None = None,
@@ -361,7 +393,10 @@ class Follower:
                 if st.ended:
                     break
             time.sleep(interval)
-        final = self.step(whole=True)
+        try:
+            final = self.step(whole=True)
+        except SlurmError:  # the job has ended: its verdict stands without the last lines
+            return st
         return final if final.state or final.forgotten else st
 
 

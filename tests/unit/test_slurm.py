@@ -158,10 +158,11 @@ def test_submit_passes_hostile_arguments_literally(fake_slurm: Path) -> None:
     [(tool, argv, env)] = calls(fake_slurm)
     rdir = fake_slurm / "home" / ".nodeops" / "runs" / "20261123-010203-abcd"
     assert tool == "sbatch"
-    assert argv == ["--parsable", f"--export=ALL,NODEOPS_RUN_DIR={rdir},NODEOPS_RUN_ID=20261123-010203-abcd",
+    assert argv == ["--parsable", "--export=ALL,NODEOPS_RUN_DIR,NODEOPS_RUN_ID",
                     "--comment=nodeops-run=20261123-010203-abcd", f"--output={rdir}/batch.log", f"{rdir}/job.sbatch",
                     *HOSTILE]  # fmt: skip
-    assert env == {}  # the run reaches the job through --export, not sbatch's own environment
+    # by name in --export (a value would be split at its commas), with SBATCH_EXPORT=NONE too
+    assert env == {"NODEOPS_RUN_DIR": str(rdir), "NODEOPS_RUN_ID": "20261123-010203-abcd"}
     assert (rdir / "job.sbatch").read_text() == "#!/bin/bash\necho hi\n"
     assert oct((rdir).stat().st_mode & 0o777) == "0o700" and (rdir / "logs").is_dir()
     assert not Path("/tmp/pwned").exists()
@@ -190,7 +191,7 @@ def test_poll_reads_whole_lines_from_where_it_left_off(fake_slurm: Path) -> None
     (d / "logs" / "node1.log").open("a").write("no newline at the end")
     fol.step(whole=True)  # at the job's end the rest is read too
     assert list(fol.tails["node1"])[-1] == "no newline at the end"
-    assert [c[0] for c in calls(fake_slurm)].count("squeue") == 4  # the last read goes on until nothing is left
+    assert [c[0] for c in calls(fake_slurm)].count("squeue") == 3
 
 
 def test_cancel_escalates_to_kill_full(fake_slurm: Path) -> None:
@@ -342,3 +343,68 @@ def test_a_job_slurmctld_forgot_is_read_from_accounting_where_there_is_one(fake_
     assert slurm.exit_code(st) == 130
     (bin_dir / "sacct").write_text("#!/bin/sh\necho 'Slurm accounting storage is disabled' >&2\nexit 1\n")
     assert slurm.poll(slurm.Login(None), "r5", "4242", {}).forgotten
+
+
+def test_submit_keeps_a_users_sbatch_export_and_finds_a_job_whose_sbatch_timed_out(
+    fake_slurm: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SBATCH_EXPORT", "NONE")
+    slurm.submit(slurm.Login(None), "20261123-010203-abcd", "x", ["t.py"])
+    assert calls(fake_slurm)[-1][1][1] == "--export=NODEOPS_RUN_DIR,NODEOPS_RUN_ID"
+    monkeypatch.setenv("SBATCH_EXPORT", "ALL,HF_HOME")
+    slurm.submit(slurm.Login(None), "20261123-010203-abcd", "x", ["t.py"])
+    assert calls(fake_slurm)[-1][1][1] == "--export=ALL,HF_HOME,NODEOPS_RUN_DIR,NODEOPS_RUN_ID"
+    # sbatch answers too late (slurmctld busy) but queues the job: found again by its comment
+    monkeypatch.setattr(slurm.Login, "run", _timing_out_sbatch(slurm.Login.run))
+    (fake_slurm / "bin" / "squeue").write_text(
+        "#!/bin/sh\necho '77 nodeops-run=20261123-000000-ffff'\necho '78 nodeops-run=20261123-010203-abcd'\n"
+    )
+    assert slurm.submit(slurm.Login(None), "20261123-010203-abcd", "x", ["t.py"]) == "78"
+    (fake_slurm / "bin" / "squeue").write_text("#!/bin/sh\necho '77 nodeops-run=20261123-000000-ffff'\n")
+    with pytest.raises(slurm.SlurmError, match="squeue shows no job of run 20261123-010203-abcd, so none was queued"):
+        slurm.submit(slurm.Login(None), "20261123-010203-abcd", "x", ["t.py"])
+
+
+def _timing_out_sbatch(run):  # type: ignore[no-untyped-def]
+    def fake(self, script, timeout=60):  # type: ignore[no-untyped-def]
+        if "sbatch --parsable" in script:
+            raise slurm.SlurmError(f"{self.where}: no answer within {timeout:.0f}s")
+        return run(self, script, timeout)
+
+    return fake
+
+
+def test_a_forgotten_job_is_never_left_running(fake_slurm: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from nodeops import jobs, runs
+
+    for tool in ("squeue", "scontrol"):
+        (fake_slurm / "bin" / tool).write_text("#!/bin/sh\necho 'Invalid job id specified' >&2\nexit 1\n")
+    # a requeued job cannot be forgotten while queued: once forgotten it has ended
+    assert slurm.Poll("", "", "", "", result={"exit": 1, "requeued": True}).ended
+    monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
+    d = jobs.jobs_dir() / "20261123-010203-abcd"
+    d.mkdir(parents=True)
+    jobs.Job(run_id=d.name, dir=d, hosts=["localhost"], argv=["t.py"], runner="torchrun", chief="localhost",
+             backend="slurm", slurm_job="4242", slurm_state="RUNNING").save()  # fmt: skip
+    [run] = runs.local_runs()
+    runs.refresh([run])
+    assert run.state == "gone" and "Slurm has forgotten how" in run.detail
+
+
+def test_a_whole_read_ends_even_while_the_job_keeps_writing(fake_slurm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = fake_slurm / "home" / ".nodeops" / "runs" / "r6" / "logs"
+    d.mkdir(parents=True)
+    monkeypatch.setattr(slurm, "READ_MAX", 64)
+    (d / "node1.log").write_text("".join(f"line {i:03d}\n" for i in range(40)))  # 360 bytes: 6 reads
+    fol = slurm.Follower(slurm.Login(None), "r6", "4242", None)
+    real_poll = slurm.poll
+
+    def growing(*a: object, **kw: object) -> slurm.Poll:
+        with (d / "node1.log").open("a") as f:  # the job writes between any two reads
+            f.write("more\n")
+        return real_poll(*a, max_bytes=64, **{k: v for k, v in kw.items() if k != "max_bytes"})  # type: ignore[arg-type]
+
+    monkeypatch.setattr(slurm, "poll", growing)
+    fol.step(whole=True)
+    assert list(fol.tails["node1"])[:40] == [f"line {i:03d}" for i in range(40)]

@@ -99,7 +99,13 @@ NO_LOG_WARN = 20.0  # seconds RUNNING without a batch log before `follow` says t
 def deferred_interrupts() -> Iterator[list[int]]:
     """SIGINT and SIGTERM inside are recorded, not raised: the list says which came."""
     got: list[int] = []
-    saved = {sig: signal.signal(sig, lambda n, _f: got.append(n)) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def note(n: int, _frame: object) -> None:
+        if not got:
+            err("==> interrupt noted: waiting for sbatch to answer, then the job is cancelled")
+        got.append(n)
+
+    saved = {sig: signal.signal(sig, note) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield got
     finally:
@@ -190,6 +196,9 @@ def verdict(job: Job, st: Poll) -> None:
              f"rank, and torchrun then ended them: {slurm.describe(st)}", code)  # fmt: skip
     first = slurm.first_failure(batch, tails)
     if first is None:
+        if not batch:
+            err(f"    no batch log in ~/.nodeops/runs/{job.run_id} on the login node: the job could not write "
+                "there (is that dir on a filesystem every node shares?)")  # fmt: skip
         for line in batch[-10:]:
             err(f"    batch | {line}")
         fail(f"==> run {job.run_id} {slurm.describe(st)}: no task's failure was reported", code)
@@ -222,6 +231,8 @@ def cancel(job: Job) -> tuple[Poll, str]:
         return slurm.poll(login, job.run_id, job.slurm_job, {}, max_bytes=0), f"scancel failed: {why}"
     st = slurm.wait_gone(login, job.run_id, job.slurm_job, timeout=slurm.KILL_WAIT_MAX)
     how = "ended after scancel"
+    if st.error and not st.state:
+        return st, f"not confirmed: {slurm.describe(st)}"
     if st.state not in slurm.TERMINAL and st.state:
         slurm.cancel(login, job.slurm_job, kill=True)
         st = slurm.wait_gone(login, job.run_id, job.slurm_job, timeout=30)
@@ -235,8 +246,8 @@ def status(job: Job) -> None:
 
     st = slurm.poll(login_for(job), job.run_id, job.slurm_job, {}, max_bytes=0)
     remember(job, st)
-    if st.forgotten and job.slurm_state:
-        st.state = job.slurm_state  # Slurm has forgotten it: the last state seen here
+    if st.forgotten and job.slurm_state in slurm.TERMINAL and st.result is None:
+        st.state = job.slurm_state  # Slurm has forgotten it: the last (final) state seen here
     typer.echo(f"job {job.slurm_job:10} {slurm.describe(st)}")
     if st.error or (st.state and st.state not in slurm.LIVE and st.state != "COMPLETED"):
         raise typer.Exit(EXIT_FAILURE)
@@ -262,7 +273,7 @@ def stop(job: Job) -> None:
     t = time.monotonic()
     st, how = cancel(job)
     typer.echo(f"job {job.slurm_job:10} {slurm.describe(st)}")
-    if st.state and st.state not in slurm.TERMINAL:
+    if st.error or (st.state and st.state not in slurm.TERMINAL):
         err(f"run {job.run_id}: job {job.slurm_job} not confirmed stopped ({how})")
         raise typer.Exit(EXIT_FAILURE)
     err(f"run {job.run_id}: job {job.slurm_job} {how} in {time.monotonic() - t:.1f}s")
