@@ -199,6 +199,26 @@ def test_a_victim_reported_first_is_not_the_root_cause(tmp_path: Path) -> None:
     assert wait_clean(dirs) == []
 
 
+def test_a_victim_reporting_well_before_the_cause_holds_the_teardown_for_it(tmp_path: Path) -> None:
+    """The CI race seen later: the victim's report came first by more than an instant, the stop
+    reached the failing host before its torchrun reported, and that host ended "killed" with the
+    victim named. A victim's report now holds the teardown (PEER_GRACE) for the cause to speak."""
+    victim = (
+        "echo '[rank0]: RuntimeError: Connection closed by peer [10.0.0.2]:17112'; "
+        "echo '[E] failed (exitcode: 1) local_rank: 0 (pid: 7) of binary: python'; exit 1\n"
+    )
+    cause = (
+        "sleep 0.8; echo 'rank 1: failing on purpose'; "
+        "echo '[E] failed (exitcode: 1) local_rank: 0 (pid: 8) of binary: python'; sleep 0.2; exit 1\n"
+    )
+    chief, dirs = make_run(tmp_path, {"h1": victim, "h2": cause, "h3": "exec sleep 300\n"}, agent_final=True)
+    res = result_of(chief, start(dirs))
+    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker (exit code 1)"}
+    hosts = res["hosts"]
+    assert hosts["h2"]["ended"] == "1" and hosts["h3"]["ended"] == "killed", hosts  # type: ignore[index]
+    assert wait_clean(dirs) == []
+
+
 def test_which_later_report_replaces_the_first_failure() -> None:
     from nodeops.launch import protocol as P
 

@@ -56,6 +56,9 @@ PEER_LOST = re.compile(
     r"|[Ww]atchdog caught collective operation timeout|DistNetworkError|Failed to recv"
 )
 ROOT_CAUSE_WINDOW = 5.0  # seconds after the first failure in which a likelier root cause replaces it
+# When the first report is a victim's (its ranks lost a peer), the teardown waits this long for the
+# host whose own rank failed to report: stopped first, that host would lose its own exit code.
+PEER_GRACE = 2.0
 # How likely a failure report is the root cause, most likely first.
 CAUSE_OWN = 0  # a worker exited with a code of its own, its lines naming no lost peer
 CAUSE_LOST = 1  # a host lost, its agent dead, its job stopped outside the supervisor

@@ -157,6 +157,7 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
 
     first_rank = 0
     first_at = 0.0
+    held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
 
     def fail(lk: Link, code: str, why: str, rank: int = P.CAUSE_EXIT, after_stop: bool = False) -> None:
         """A failure report. The first one starts the teardown at once. Ranks fail together (a
@@ -165,16 +166,23 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
         the first failure instead (``P.replaces_first``)."""
         nonlocal first, outcome, first_rank, first_at
         entry = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why}
+        # a job host whose job is ending by itself is spared (it keeps its own exit code)
+        spare = lk.name if lk.has_job and code != "lost" else ""
         if first is None and outcome == "ok":
             first, first_rank, first_at = entry, rank, time.monotonic()
             outcome = "failed"
             log(f"first failure: {lk.name}: {why}")
-            # a job host whose job is ending by itself is spared (it keeps its own exit code)
-            stop_all(f"{lk.name}: {why}", spare=lk.name if lk.has_job and code != "lost" else "")
+            if rank == P.CAUSE_PEER:  # a victim spoke first: let the cause report before stopping it
+                held.update(until=time.monotonic() + P.PEER_GRACE, why=f"{lk.name}: {why}", spare=spare)
+            else:
+                stop_all(f"{lk.name}: {why}", spare=spare)
         elif (first is not None and lk.name != first["host"]
               and P.replaces_first(first_rank, time.monotonic() - first_at, rank, after_stop)):  # fmt: skip
             log(f"root cause: {lk.name}: {why} (before it: {first['host']}: {first['why']})")
             first, first_rank = entry, rank
+            if held:
+                held.clear()
+                stop_all(f"{lk.name}: {why}", spare=spare)
 
     def handle(lk: Link, line: str) -> None:
         words = line.split()
@@ -215,6 +223,10 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
 
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
     while len(gone) < len(links):
+        if held and (time.monotonic() >= held["until"] or os.path.exists(stop_file)):
+            why, spare = held["why"], held["spare"]
+            held.clear()
+            stop_all(why, spare=spare)
         if stopping_since is None and sweep_since is None and os.path.exists(stop_file):
             outcome = "stopped" if first is None else outcome
             stop_all("stop requested")
