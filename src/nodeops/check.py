@@ -371,35 +371,29 @@ def _parity_rows(chief: str, facts: dict[str, dict[str, Any]], values: dict[str,
 def srun_options(spec: ResourceSpec) -> list[str]:
     """What the check's srun step asks for: the job's shape (nodes, partition, GPUs...), one
     task per node, a short time limit."""
+    from nodeops.slurm import shape_options
+
     s = spec.slurm
     assert s is not None
-    out = [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--time=10"]
-    for opt, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos),
-                       ("constraint", s.constraint), ("gpus-per-node", s.gpus_per_node), ("gpus", s.gpus),
-                       ("reservation", s.sbatch_extra.get("reservation"))):  # fmt: skip
-        if value is not None:
-            out.append(f"--{opt}={value}")
-    return out
+    reservation = [f"--reservation={s.sbatch_extra['reservation']}"] if "reservation" in s.sbatch_extra else []
+    return [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--time=10", *shape_options(spec), *reservation]
 
 
 def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> tuple[ResourceSpec, dict[str, Any]]:
     """The probe in one srun step on the login node, one task per node Slurm gives; returns a
     spec listing those nodes (for :func:`evaluate`) and the probe's document. No port rows: a
     Slurm job's port comes from its job id, so there is none to test before it runs."""
-    from nodeops import slurm, workdir
-    from nodeops.render import activation, ssh_config
+    from nodeops import slurm
+    from nodeops.render import ssh_config
     from nodeops.spec import Node
 
     spec = loaded.spec
     login = spec.login_node()
-    manifest = workdir.source_manifest(loaded)
-    node_plan = {"mode": "node", "name": "", "nonce": "", "ports": [], "fast": fast,
-                 "chief_address": login.address if login is not None else "127.0.0.1",
-                 "workdir": spec.workdir.path if spec.workdir is not None else None,
-                 "exclude": workdir.excludes(loaded), "activate": activation(spec, login or spec.chief),
-                 "env_file": f".nodeops/{loaded.cluster_name}/env.sh", "script": None,
-                 "manifest": None if manifest is None else {"code": workdir.manifest_path().read_text(),
-                                                             "manifest": manifest}}  # fmt: skip
+    # what chief_main hands each node, for the login node's plan (the spec's only node)
+    chief_plan = plan(loaded, fast=fast, timeout=timeout)
+    node_plan = dict(chief_plan["nodes"][0]["plan"], mode="node", name="", nonce="", ports=[],
+                     chief_address=login.address if login is not None else "127.0.0.1",
+                     manifest=chief_plan.get("manifest"))  # fmt: skip
     payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": node_plan})
     name = f"nodeops-check-{secrets.token_hex(4)}"  # to scancel it by, should this end before srun does
     opts = " ".join(sh_word(o) for o in [*srun_options(spec), f"--job-name={name}"])

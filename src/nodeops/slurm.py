@@ -51,14 +51,23 @@ class SlurmError(NodeopsError):
     pass
 
 
+def shape_options(spec: ResourceSpec) -> list[str]:
+    """Where the job may run and what it gets, as sbatch and srun both take them."""
+    s = spec.slurm
+    assert s is not None
+    return [f"--{opt}={value}" for opt, value in (
+        ("partition", s.partition), ("account", s.account), ("qos", s.qos), ("constraint", s.constraint),
+        ("gpus-per-node", s.gpus_per_node), ("gpus", s.gpus),
+    ) if value is not None]  # fmt: skip
+
+
 def sbatch_lines(spec: ResourceSpec, cluster: str) -> list[str]:
     """The ``#SBATCH`` options, one per line, from the spec's ``slurm:`` section."""
     s = spec.slurm
     assert s is not None
     out = [f"--job-name=nodeops-{cluster}", f"--nodes={s.nodes}", "--ntasks-per-node=1", "--open-mode=append"]
-    for opt, value in (("partition", s.partition), ("account", s.account), ("qos", s.qos), ("time", s.time),
-                       ("cpus-per-task", s.cpus_per_task), ("mem", s.mem), ("constraint", s.constraint),
-                       ("gpus-per-node", s.gpus_per_node), ("gpus", s.gpus)):  # fmt: skip
+    out += shape_options(spec)
+    for opt, value in (("time", s.time), ("cpus-per-task", s.cpus_per_task), ("mem", s.mem)):
         if value is not None:
             out.append(f"--{opt}={value}")
     if s.exclusive:
@@ -333,7 +342,6 @@ class Follower:
         self.offsets: dict[str, int] = {}
         self.tails: dict[str, deque[str]] = {}
         self.partial: dict[str, str] = {}  # a line a read ended inside of, until its end comes
-        self.first_line_at: float | None = None
 
     def step(self, whole: bool = False) -> Poll:
         """One poll; with ``whole``, as many as it takes to reach the end of every log (a full
@@ -350,8 +358,6 @@ class Follower:
         return st
 
     def _line(self, host: str, line: str) -> None:
-        if self.first_line_at is None and host != "batch":
-            self.first_line_at = time.monotonic()
         self.tails.setdefault(host, deque(maxlen=TAIL_LINES)).append(line)
         if self.emit is not None:
             self.emit(host, line)
