@@ -8,6 +8,7 @@ Real GPUs, NCCL and a real NFS home are not here: the GPUs Slurm hands out are c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -122,6 +123,17 @@ def test_ddp_on_uneven_gpus_every_rank_agrees(cluster: sandbox.Sandbox, project:
     hashes = HASH.findall(p.stdout)
     assert len(hashes) == 4 and len({h for _, _, h in hashes}) == 1, hashes
     assert "COMPLETED" in p.stderr
+    assert leftovers(cluster) == {}
+
+
+def test_check_probes_every_node_slurm_gives_in_one_srun_step(cluster: sandbox.Sandbox, project: Path) -> None:
+    p = nodeops("check", str(project / "cluster.yaml"), "--json")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads(p.stdout)
+    assert doc["status"] == "ok" and sorted(doc["hosts"]) == ["node1", "node2", "node3"]
+    for rows in doc["hosts"].values():
+        checks = {r["check"]: r["status"] for r in rows}
+        assert checks["srun"] == "ok" and checks["torch"] == "ok" and checks["workdir"] == "ok", rows
     assert leftovers(cluster) == {}
 
 

@@ -180,20 +180,27 @@ def test_torchrun_failure_line_starts_the_teardown_before_the_exit(tmp_path: Pat
     assert wait_clean(dirs) == []
 
 
+def victim_and_cause(tmp: Path, *, victim_code: int, then: str, cause_after: float,
+                     cause_then: str) -> tuple[dict[str, object], list[Path]]:  # fmt: skip
+    """h1's rank reports a lost peer (torchrun: exitcode ``victim_code``); ``cause_after`` s later
+    h2's rank fails by itself (exitcode 1); h3 runs on. Each job then runs its ``then`` and exits 1."""
+    victim = (
+        "echo '[rank0]: RuntimeError: Connection closed by peer [10.0.0.2]:17112'; "
+        f"echo '[E] failed (exitcode: {victim_code}) local_rank: 0 (pid: 7) of binary: python'; {then}; exit 1\n"
+    )
+    cause = (
+        f"sleep {cause_after}; echo 'rank 1: failing on purpose'; "
+        f"echo '[E] failed (exitcode: 1) local_rank: 0 (pid: 8) of binary: python'; {cause_then}; exit 1\n"
+    )
+    chief, dirs = make_run(tmp, {"h1": victim, "h2": cause, "h3": "exec sleep 300\n"}, agent_final=True)
+    return result_of(chief, start(dirs)), dirs
+
+
 def test_a_victim_reported_first_is_not_the_root_cause(tmp_path: Path) -> None:
     """The CI race: h2's rank fails by itself and h1's rank, losing its peer, aborts within the
     same instant; either report may reach the supervisor first (on a cluster the chief's guard
     has no ssh hop). The teardown starts at once, and h2 is named either way."""
-    victim = (
-        "echo '[rank0]: RuntimeError: Connection closed by peer [10.0.0.2]:17112'; "
-        "echo '[E] failed (exitcode: -6) local_rank: 0 (pid: 7) of binary: python'; sleep 3; exit 1\n"
-    )
-    cause = (
-        "sleep 0.05; echo 'rank 1: failing on purpose'; "
-        "echo '[E] failed (exitcode: 1) local_rank: 0 (pid: 8) of binary: python'; sleep 3; exit 1\n"
-    )
-    chief, dirs = make_run(tmp_path, {"h1": victim, "h2": cause, "h3": "exec sleep 300\n"}, agent_final=True)
-    res = result_of(chief, start(dirs))
+    res, dirs = victim_and_cause(tmp_path, victim_code=-6, then="sleep 3", cause_after=0.05, cause_then="sleep 3")
     assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker (exit code 1)"}
     assert res["hosts"]["h3"]["ended"] == "killed"  # type: ignore[index]
     assert wait_clean(dirs) == []
@@ -203,16 +210,7 @@ def test_a_victim_reporting_well_before_the_cause_holds_the_teardown_for_it(tmp_
     """The CI race seen later: the victim's report came first by more than an instant, the stop
     reached the failing host before its torchrun reported, and that host ended "killed" with the
     victim named. A victim's report now holds the teardown (PEER_GRACE) for the cause to speak."""
-    victim = (
-        "echo '[rank0]: RuntimeError: Connection closed by peer [10.0.0.2]:17112'; "
-        "echo '[E] failed (exitcode: 1) local_rank: 0 (pid: 7) of binary: python'; exit 1\n"
-    )
-    cause = (
-        "sleep 0.8; echo 'rank 1: failing on purpose'; "
-        "echo '[E] failed (exitcode: 1) local_rank: 0 (pid: 8) of binary: python'; sleep 0.2; exit 1\n"
-    )
-    chief, dirs = make_run(tmp_path, {"h1": victim, "h2": cause, "h3": "exec sleep 300\n"}, agent_final=True)
-    res = result_of(chief, start(dirs))
+    res, dirs = victim_and_cause(tmp_path, victim_code=1, then="true", cause_after=0.8, cause_then="sleep 0.2")
     assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker (exit code 1)"}
     hosts = res["hosts"]
     assert hosts["h2"]["ended"] == "1" and hosts["h3"]["ended"] == "killed", hosts  # type: ignore[index]
