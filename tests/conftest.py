@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
+# Test data from other projects, copied into the repository with its source and licence
+# (tests/data/peers/*/SOURCE.md): no test reads outside the repository.
+PEERS = ROOT / "tests" / "data" / "peers"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

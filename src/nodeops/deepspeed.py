@@ -1,6 +1,6 @@
 """DeepSpeed's hostfile and ``.deepspeed_env`` formats, as DeepSpeed's launcher reads them.
 
-The rules follow ``shared/peers/deepspeed/CASES.md`` (H1-H12, E4-E6). Where DeepSpeed is lax
+The rules follow ``tests/data/peers/deepspeed/CASES.md`` (H1-H12, E4-E6). Where DeepSpeed is lax
 in a way that hurts (non-ASCII digits, H12) we are stricter; everything DeepSpeed accepts
 otherwise, we accept with the same result.
 """

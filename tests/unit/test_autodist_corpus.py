@@ -1,4 +1,4 @@
-"""Every AutoDist resource spec in shared/peers/autodist validates unchanged.
+"""Every AutoDist resource spec in tests/data/peers/autodist validates unchanged.
 
 The one exception is hackathon-model-v1.yml: two loopback nodes and no chief. Current
 AutoDist rejects it too, and our rules (one chief; no loopback in a multi-node spec) must.
@@ -13,9 +13,9 @@ import pytest
 from nodeops.errors import SpecError
 from nodeops.spec import LEGACY_GROUP, load_spec
 
-from ..conftest import SHARED
+from ..conftest import PEERS
 
-CORPUS = SHARED / "peers" / "autodist"
+CORPUS = PEERS / "autodist"
 REFUSED = {"hackathon-model-v1.yml"}
 FILES = sorted(p for p in CORPUS.glob("*.yml") if p.name not in REFUSED)
 

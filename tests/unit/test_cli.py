@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from nodeops.cli import app
 from nodeops.quoting import load_ansible_yaml
 
-from ..conftest import SHARED
+from ..conftest import PEERS
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 runner = CliRunner()
@@ -40,7 +40,7 @@ def test_every_command_has_an_example(cmd: str) -> None:
 
 
 def test_validate_ok_and_warning_on_stderr() -> None:
-    r = runner.invoke(app, ["validate", str(SHARED / "peers/autodist/r1.yml")])
+    r = runner.invoke(app, ["validate", str(PEERS / "autodist/r1.yml")])
     assert r.exit_code == 0
     assert "valid: 2 node(s)" in r.stdout
     assert "warning: ssh.conf.key_file" in r.stderr
@@ -123,7 +123,7 @@ def test_schema_is_json_schema() -> None:
 
 def test_import_hostfile_round_trip(tmp_path: Path) -> None:
     out = tmp_path / "cluster.yaml"
-    hf = SHARED / "peers/deepspeed/hostfiles/ok-order-preserved"
+    hf = PEERS / "deepspeed/hostfiles/ok-order-preserved"
     r = runner.invoke(app, ["import-hostfile", str(hf), "--user", "ml", "--port", "2222", "-o", str(out)])
     assert r.exit_code == 0, r.output
     r2 = runner.invoke(app, ["render", str(out), "-o", str(tmp_path / "r")])
@@ -137,20 +137,20 @@ def test_import_hostfile_round_trip(tmp_path: Path) -> None:
 def test_import_hostfile_refuses_to_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "cluster.yaml"
     out.write_text("precious")
-    r = runner.invoke(app, ["import-hostfile", str(SHARED / "peers/deepspeed/hostfiles/ok-basic"), "-o", str(out)])
+    r = runner.invoke(app, ["import-hostfile", str(PEERS / "deepspeed/hostfiles/ok-basic"), "-o", str(out)])
     assert r.exit_code == 2 and "--force" in r.stderr
     assert out.read_text() == "precious"
 
 
 def test_import_bad_hostfile_names_line() -> None:
-    hf = SHARED / "peers/deepspeed/hostfiles/bad-duplicate-host"
+    hf = PEERS / "deepspeed/hostfiles/bad-duplicate-host"
     r = runner.invoke(app, ["import-hostfile", str(hf)])
     assert r.exit_code == 2
     assert f"{hf}:3:1: error: hostfile: multiple entries for worker-0 (first on line 1)" in r.stderr
 
 
 def test_import_loopback_hostfile_names_line() -> None:
-    hf = SHARED / "peers/deepspeed/hostfiles/ok-localhost-and-ip"
+    hf = PEERS / "deepspeed/hostfiles/ok-localhost-and-ip"
     r = runner.invoke(app, ["import-hostfile", str(hf)])
     assert r.exit_code == 2 and f"{hf}:1:1" in r.stderr and "loopback" in r.stderr
 

@@ -1,4 +1,4 @@
-"""DeepSpeed hostfile and .deepspeed_env behaviour, from shared/peers/deepspeed/CASES.md."""
+"""DeepSpeed hostfile and .deepspeed_env behaviour, from tests/data/peers/deepspeed/CASES.md."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import pytest
 from nodeops import deepspeed
 from nodeops.errors import SpecError
 
-from ..conftest import SHARED
+from ..conftest import PEERS
 
-HOSTFILES = SHARED / "peers" / "deepspeed" / "hostfiles"
-ENVFILES = SHARED / "peers" / "deepspeed" / "deepspeed_env"
+HOSTFILES = PEERS / "deepspeed" / "hostfiles"
+ENVFILES = PEERS / "deepspeed" / "deepspeed_env"
 
 OK = {
     "ok-basic": {"worker-0": 4, "worker-1": 4},

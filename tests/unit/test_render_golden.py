@@ -13,12 +13,12 @@ import pytest
 from nodeops.render import render
 from nodeops.spec import load_spec
 
-from ..conftest import SHARED
+from ..conftest import PEERS
 
 HERE = Path(__file__).resolve().parent.parent
 GOLDEN = HERE / "golden"
 CASES = sorted(HERE.glob("specs/*.happy.yaml")) + [
-    SHARED / "peers/autodist" / n for n in ("r1-old-2019-10-ungrouped-ssh.yml", "docs-multi-node-2.yml", "r0.yml")
+    PEERS / "autodist" / n for n in ("r1-old-2019-10-ungrouped-ssh.yml", "docs-multi-node-2.yml", "r0.yml")
 ]
 ENV = {"HOME": "/home/test"}
 
