@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from nodeops import sandbox  # noqa: E402
-from nodeops.spec import load_spec  # noqa: E402
+from nodeops.loading import load_spec  # noqa: E402
 
 NAME = "benchl"
 SUBNET = "10.218.0.0/24"

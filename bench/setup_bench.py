@@ -24,9 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from nodeops import runner, sandbox  # noqa: E402
+from nodeops.loading import load_spec  # noqa: E402
 from nodeops.render import inventory  # noqa: E402
 from nodeops.resources import data_dir  # noqa: E402
-from nodeops.spec import load_spec  # noqa: E402
 
 NAME = "bench"
 SUBNET = "10.217.0.0/24"

@@ -36,6 +36,10 @@ class NodeopsError(Exception):
     exit_code = EXIT_FAILURE
 
 
+class SandboxError(NodeopsError):
+    """The local sandbox cluster (Docker) could not be built, started or reached."""
+
+
 class SpecError(NodeopsError):
     """The spec (or a hostfile) is invalid. Raised before anything touches a host."""
 
@@ -45,3 +49,19 @@ class SpecError(NodeopsError):
         self.issues = issues
         errors = [i for i in issues if i.severity == "error"]
         super().__init__(f"{len(errors)} problem(s) in the spec:\n" + "\n".join(str(i) for i in errors))
+
+
+class ExitWith(NodeopsError):
+    """A run's outcome that ends the command with ``code``: the message (if any) is printed as it
+    is, with no ``error:`` prefix. Raised by the lifecycle and backends instead of exiting."""
+
+    def __init__(self, code: int, message: str = "") -> None:
+        super().__init__(message)
+        self.exit_code = code
+        self.message = message
+
+
+class UsageError(NodeopsError):
+    """The command line asks for something this spec or backend cannot do; nothing was run."""
+
+    exit_code = EXIT_SPEC

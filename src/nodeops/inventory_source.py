@@ -24,6 +24,8 @@ from typing import Any
 import yaml
 
 from nodeops.errors import SpecError, SpecIssue
+from nodeops.render import ssh_args_options
+from nodeops.spec import validate_located
 from nodeops.yamlpos import Located, Path_, Pos
 
 NODEOPS_VAR = "nodeops"
@@ -95,8 +97,6 @@ def _plain(value: Any) -> Any:
 
 
 def _ssh_opts(hv: Mapping[str, Any]) -> dict[str, str]:
-    from nodeops.render import ssh_args_options
-
     args = " ".join(str(hv.get(k) or "") for k in ("ansible_ssh_common_args", "ansible_ssh_extra_args"))
     try:
         return ssh_args_options(args)
@@ -107,8 +107,6 @@ def _ssh_opts(hv: Mapping[str, Any]) -> dict[str, str]:
 def load_inventory(path: Path, group: str | None = None) -> Any:
     """An Ansible inventory source as a validated :class:`~nodeops.spec.LoadedSpec`; every
     problem at once (the mapping's and the spec validation's)."""
-    from nodeops.spec import validate_located
-
     located, problems = inventory_located(path, group)
     try:
         loaded = validate_located(located)

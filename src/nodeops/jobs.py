@@ -9,7 +9,6 @@ one host fails (or on Ctrl-C/SIGTERM) runs ``kill.sh`` on every host at once.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import queue
 import re
@@ -19,14 +18,16 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
 from nodeops.errors import NodeopsError
+from nodeops.interrupts import ignoring_interrupts
 from nodeops.launch import protocol as P
 from nodeops.quoting import sh_word
+from nodeops.render import pins_digest, ssh_config_text, ssh_target_from_record
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
@@ -183,8 +184,6 @@ def write_ssh_config(d: Path, connection: dict[str, Any]) -> None:
     """The run's ssh_config from the connection data the launch role recorded for each host."""
     import hashlib
 
-    from nodeops.render import pins_digest, ssh_config_text, ssh_target_from_record
-
     targets = [ssh_target_from_record(h, c, str(d / "known_hosts")) for h, c in connection.items()]
     pins = pins_digest(t.known_hosts for t in targets)  # other pins: another master (render.control_tag)
     tag = hashlib.sha256((repr(sorted(connection.items(), key=str)) + pins).encode()).hexdigest()[:10]
@@ -259,20 +258,6 @@ def describe(result: dict[str, Any]) -> str:
     return {"ok": "finished: every job exited 0", "stopped": "stopped on request"}.get(
         str(result.get("outcome")), f"supervisor: {result.get('outcome')} {result.get('error', '')}".strip()
     )
-
-
-@contextlib.contextmanager
-def ignoring_interrupts() -> Iterator[None]:
-    """SIGINT and SIGTERM are ignored inside (main thread only; elsewhere a no-op)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:

@@ -26,8 +26,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodeops.errors import NodeopsError
+from nodeops import sandbox_slurm as S
+from nodeops.errors import NodeopsError, SandboxError
+from nodeops.quoting import sh_word
+from nodeops.render import ssh_config
 from nodeops.resources import data_dir
+from nodeops.spec import load_spec_text
 
 LABEL = "io.nodeops.sandbox"
 USER = "debian"
@@ -43,10 +47,6 @@ _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,30}$")
 NODE_CMD = ["/bin/sh", "-c", "ssh-keygen -A >/dev/null && /usr/sbin/sshd && exec sleep infinity"]
 
 Say = Callable[[str], None]
-
-
-class SandboxError(NodeopsError):
-    pass
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,6 @@ def _build_debootstrap(image: str, say: Say) -> None:
 
 def ensure_slurm_image(base: str, say: Say) -> str:
     """The Slurm variant of the node image ``base`` (Debian's Slurm packages added), built once."""
-    from nodeops import sandbox_slurm as S
-
     tag = S.image_tag(docker("image", "inspect", "--format", "{{.Id}}", base).strip())
     if image_exists(tag):
         return tag
@@ -333,8 +331,6 @@ def _authorize(container: str, pubkey: str) -> None:
 def spec_text(name: str, node_list: Sequence[NodeInfo], sdir: Path, slurm: bool = False) -> str:
     """The sandbox as a resource spec. ``slurm``: only the login node (node1) is listed; the job's
     nodes come from Slurm (``slurm.nodes``; fake GPUs 2+1+1..., asked for as a total)."""
-    from nodeops import sandbox_slurm as S
-
     lines = [
         f"# nodeops sandbox '{name}': {len(node_list)} sshd containers on this machine"
         + (" running Slurm (node1: slurmctld and the login node)." if slurm else "."),
@@ -366,8 +362,6 @@ def spec_text(name: str, node_list: Sequence[NodeInfo], sdir: Path, slurm: bool 
 def inventory_text(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> str:
     """The sandbox as a plain Ansible inventory: the spec's nodes, user, key and pinned host keys."""
     import yaml
-
-    from nodeops.quoting import sh_word
 
     inv = {"all": {
         "vars": {"ansible_user": USER, "ansible_port": SSH_PORT,
@@ -551,8 +545,6 @@ def up(
 def start_slurm(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> None:
     """Configure Slurm on every node and start its daemons (what is already running stays), then
     wait until every node is idle."""
-    from nodeops import sandbox_slurm as S
-
     key = S.munge_key(str(sdir / "munge.key"))
     table = [(nd.name, nd.address, S.gpus_of(i)) for i, nd in enumerate(node_list, start=1)]
     cpus = os.cpu_count() or 1
@@ -571,9 +563,6 @@ def start_slurm(name: str, node_list: Sequence[NodeInfo], sdir: Path) -> None:
 
 def _write_ssh_config(sb: Sandbox) -> None:
     """Every node, also where the spec lists only the Slurm login node."""
-    from nodeops.render import ssh_config
-    from nodeops.spec import load_spec_text
-
     text = spec_text(sb.name, sb.nodes, sb.state_dir)
     sb.ssh_config.write_text(ssh_config(load_spec_text(text, str(sb.spec_path))))
 

@@ -24,6 +24,8 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
+from nodeops.errors import SandboxError
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 IMAGE_REPO = "nodeops-sandbox-slurm"
 PARTITION = "main"
@@ -140,8 +142,6 @@ def munge_key(path: str) -> bytes:
 
 def wait_idle(run_in_login: Callable[[str], str], n: int, timeout: float = 90) -> None:
     """Until every node is idle (slurmd registered with slurmctld), or raise with what sinfo says."""
-    from nodeops.sandbox import SandboxError
-
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:

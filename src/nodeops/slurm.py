@@ -25,8 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nodeops import jobs
 from nodeops.errors import NodeopsError
+from nodeops.jobs import ssh_argv
 from nodeops.quoting import sh_path, sh_run_word, sh_word
+from nodeops.render import activation
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec, ResourceSpec
 
@@ -97,8 +100,6 @@ def batch_script(loaded: LoadedSpec) -> str:
     """The batch script for the spec (the same bytes for every run: the run is in its env)."""
     import jinja2
 
-    from nodeops.render import activation
-
     spec = loaded.spec
     s = spec.slurm
     assert s is not None
@@ -131,8 +132,6 @@ class Login:
 
     def run(self, script: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """``bash -s`` with ``script`` on stdin (nothing of it on a command line)."""
-        from nodeops.jobs import ssh_argv
-
         argv = ["bash", "-s"] if self.host is None else ssh_argv(self.ssh_config or Path(), self.host, "bash", "-s")
         try:
             # its own session: a Ctrl-C at the terminal reaches nodeops, which decides (ssh is
@@ -423,8 +422,6 @@ def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tup
     it), but not in causal order: a node whose ranks lost a peer can exit first. The same rule
     as ssh runs (jobs.root_cause) picks among them: a node whose own rank failed beats one whose
     ranks report a lost peer, then the earliest."""
-    from nodeops import jobs
-
     states: dict[str, jobs.HostState] = {}
     for i, line in enumerate(batch_lines):
         m = _SRUN_TASK.match(line)

@@ -1045,23 +1045,18 @@ def _syntax_issue(e: YamlSyntaxError) -> SpecError:
     return SpecError([SpecIssue(e.file, e.pos.line, e.pos.col, "<yaml>", e.message, e.fix)])
 
 
-def load_spec(path: str | Path, group: str | None = None) -> LoadedSpec:
-    """Load and validate a spec file, or an Ansible inventory source (detected by content; its
-    hosts of ``group``, default all). Raises :class:`SpecError` (exit 2) on any problem."""
-    from nodeops import inventory_source
+def controller_path(path: str, spec_dir: Path) -> str:
+    """Controller-side paths in the spec are relative to the spec file; ``~`` stays for ssh/ansible to expand."""
+    if path.startswith(("/", "~")):
+        return path
+    return str(spec_dir / path)
 
-    p = Path(path)
-    if not p.is_file():
-        what = "is a directory, not a spec file" if p.is_dir() else "no such file"
-        raise SpecError([SpecIssue(str(p), 1, 1, "<file>", what, "give the path of a spec YAML file")])
-    if inventory_source.looks_like_inventory(p):
-        loaded: LoadedSpec = inventory_source.load_inventory(p, group)
-        return loaded
-    if group is not None:
-        raise SpecError([SpecIssue("--group", 0, 0, "--group", f"{p} is a resource spec, not an Ansible inventory",
-                                   "use --group only with an inventory source")])  # fmt: skip
+
+def load_spec_file(path: Path) -> LoadedSpec:
+    """Load and validate a resource spec file (``nodeops.loading.load_spec`` also takes an
+    Ansible inventory). Raises :class:`SpecError` (exit 2) on any problem."""
     try:
-        return validate_located(load_file(p))
+        return validate_located(load_file(path))
     except YamlSyntaxError as e:
         raise _syntax_issue(e) from None
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from nodeops.errors import NodeopsError
 from nodeops.resources import data_dir
-from nodeops.spec import LoadedSpec
+from nodeops.spec import LoadedSpec, controller_path
 
 # Never copied or compared: .deepspeed_env in the workdir is managed on the chief by deepspeed_env.
 ALWAYS_EXCLUDED = [".deepspeed_env"]
@@ -37,8 +37,6 @@ def manifest_module() -> ModuleType:
 
 def source_path(loaded: LoadedSpec) -> Path:
     """The controller-side source directory as the spec gives it (default: the spec's directory)."""
-    from nodeops.render import controller_path
-
     wd = loaded.spec.workdir
     return Path(controller_path(wd.source, loaded.spec_dir)) if wd is not None and wd.source else loaded.spec_dir
 

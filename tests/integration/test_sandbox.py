@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from nodeops import sandbox
 from nodeops.cli import app
-from nodeops.spec import load_spec
+from nodeops.loading import load_spec
 
 pytestmark = pytest.mark.integration
 

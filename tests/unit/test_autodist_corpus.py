@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from nodeops.errors import SpecError
-from nodeops.spec import LEGACY_GROUP, load_spec
+from nodeops.loading import load_spec
+from nodeops.spec import LEGACY_GROUP
 
 from ..conftest import PEERS
 

@@ -192,9 +192,10 @@ def test_status_of_an_unknown_run_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_mpirun_tagged_lines_get_the_ranks_host(capsys: pytest.CaptureFixture[str]) -> None:
-    from nodeops.cli.jobs_cmds import emitter
+    from nodeops.backends.ssh import emitter
+    from nodeops.cli.app import emit_line
 
-    emit = emitter(["node1", "node2", "node2"])
+    emit = emitter(["node1", "node2", "node2"], None, emit_line)
     emit("node1", "[1,2]<stdout>:step 3 loss 0.5")
     emit("node1", "[1,0]<stderr>:warning")
     emit("node1", "plain line from mpirun itself")
@@ -217,9 +218,10 @@ def test_mpirun_tagged_lines_get_the_ranks_host(capsys: pytest.CaptureFixture[st
 
 
 def test_deepspeed_pdsh_lines_get_the_nodes_host(capsys: pytest.CaptureFixture[str]) -> None:
-    from nodeops.cli.jobs_cmds import emitter
+    from nodeops.backends.ssh import emitter
+    from nodeops.cli.app import emit_line
 
-    emit = emitter([], {"10.0.0.12": "node2"})
+    emit = emitter([], {"10.0.0.12": "node2"}, emit_line)
     emit("node1", "10.0.0.12: step 3 loss 0.5")
     emit("node1", "10.0.0.99: not ours")
     assert capsys.readouterr().out.splitlines() == ["node2 | step 3 loss 0.5", "node1 | 10.0.0.99: not ours"]
@@ -336,8 +338,8 @@ def test_setup_names_missing_controller_inputs_before_any_host(tmp_path: Path) -
     )
     assert "wheelhouse" not in r.stderr, r.stderr
     # a role that does not run under --tags reads nothing: only ssh_mesh's key is asked for
+    from nodeops.loading import load_spec
     from nodeops.render import controller_issues
-    from nodeops.spec import load_spec
 
     found = controller_issues(load_spec(spec), {}, setup=True, tags=["ssh_mesh"])
     assert ["mesh.key_file" in str(i) for i in found] == [True], found
@@ -400,8 +402,8 @@ def test_every_role_input_rule_is_accounted_for() -> None:
 @pytest.mark.parametrize("rule", sorted(ROLE_RULE_BREAKERS))
 def test_nodeops_refuses_what_each_skipped_role_input_check_would(tmp_path: Path, rule: str) -> None:
     from nodeops.errors import SpecError
+    from nodeops.loading import load_spec
     from nodeops.render import require_controller_files
-    from nodeops.spec import load_spec
 
     spec = tmp_path / "c.yaml"
     spec.write_text("nodes:\n  - {address: 10.9.0.1, chief: true}\n" + ROLE_RULE_BREAKERS[rule])
@@ -410,8 +412,8 @@ def test_nodeops_refuses_what_each_skipped_role_input_check_would(tmp_path: Path
 
 
 def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
+    from nodeops.loading import load_spec
     from nodeops.render import ssh_config
-    from nodeops.spec import load_spec
 
     def control_path(spec: Path) -> str:
         return next(ln.split()[1] for ln in ssh_config(load_spec(spec)).splitlines() if "ControlPath" in ln)

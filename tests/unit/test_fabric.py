@@ -242,7 +242,7 @@ def test_interfaces_from_nccl_win_over_the_env() -> None:
 
 def test_spec_thresholds_are_validated_with_their_line(tmp_path: Path) -> None:
     from nodeops.errors import SpecError
-    from nodeops.spec import load_spec
+    from nodeops.loading import load_spec
 
     spec = tmp_path / "c.yaml"
     spec.write_text("nodes:\n  - {address: 10.0.0.1, chief: true}\nnetwork:\n  fabric:\n    max_pair_spread: 1.5\n")
@@ -273,10 +273,11 @@ def fake_check(monkeypatch: pytest.MonkeyPatch, status: str) -> None:
 def test_fabric_is_not_run_when_a_check_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from nodeops.cli import app, check_cmds
+    from nodeops.cli import app
+    from nodeops.lifecycle import check as check_flow
 
     ran: list[object] = []
-    monkeypatch.setattr(check_cmds, "run_fabric", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(check_flow, "run_fabric", lambda *a, **k: ran.append(a))
     fake_check(monkeypatch, "fail")
     r = CliRunner().invoke(app, ["check", str(cluster_spec(tmp_path)), "--fabric", "--json"],
                            env={"NODEOPS_HOME": str(tmp_path / "home")})  # fmt: skip
@@ -289,10 +290,12 @@ def test_fabric_is_not_run_when_a_check_failed(tmp_path: Path, monkeypatch: pyte
 def test_fabric_failure_is_exit_1_and_json_status_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from nodeops.cli import app, check_cmds
+    from nodeops.cli import app
+    from nodeops.lifecycle import check as check_flow
+    from nodeops.lifecycle.fabric import FabricError
 
     slow = fabric.evaluate(doc(["a", "b", "c"], {(0, 1): 1.0, (1, 2): 1.0, (2, 0): 0.01}))
-    monkeypatch.setattr(check_cmds, "run_fabric", lambda *a, **k: slow)
+    monkeypatch.setattr(check_flow, "run_fabric", lambda *a, **k: slow)
     fake_check(monkeypatch, "ok")
     env = {"NODEOPS_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
     r = CliRunner().invoke(app, ["check", str(cluster_spec(tmp_path)), "--fabric", "--json"], env=env)
@@ -303,8 +306,8 @@ def test_fabric_failure_is_exit_1_and_json_status_fail(tmp_path: Path, monkeypat
     assert r.exit_code == 1 and "fabric: b: slow:" in r.stdout and "fabric: fail" in r.stdout
 
     def broken(*a: object, **k: object) -> None:
-        raise check_cmds.FabricError("the measurement (run X) failed with exit code 1; see above")
+        raise FabricError("the measurement (run X) failed with exit code 1; see above")
 
-    monkeypatch.setattr(check_cmds, "run_fabric", broken)
+    monkeypatch.setattr(check_flow, "run_fabric", broken)
     r = CliRunner().invoke(app, ["check", str(cluster_spec(tmp_path)), "--fabric", "--json"], env=env)
     assert r.exit_code == 1 and json.loads(r.stdout)["fabric"]["error"].startswith("the measurement")

@@ -11,8 +11,8 @@ import pytest
 
 from nodeops import inventory_source
 from nodeops.errors import SpecError
+from nodeops.loading import load_spec
 from nodeops.render import render
-from nodeops.spec import load_spec
 
 YAML_INV = """\
 all:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from nodeops import jobs, launchers, starter
-from nodeops.cli.launch_cmds import supervised_hosts
+from nodeops.backends.ssh import supervised_hosts
 from nodeops.errors import NodeopsError
 from nodeops.quoting import ansible_yaml
 from nodeops.render import ssh_args_options, ssh_target_from_record

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeops.render import render
-from nodeops.spec import load_spec
+from nodeops.backends import render_files as render
+from nodeops.loading import load_spec
 
 from ..conftest import PEERS
 

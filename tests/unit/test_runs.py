@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from nodeops import jobs
-from nodeops import runs as R
+from nodeops.backends import ssh as ssh_backend
+from nodeops.lifecycle import runs as R
 
 
 def run(run_id: str, state: str, started: float) -> R.Run:
@@ -118,7 +119,7 @@ def test_the_remote_remove_script_spares_a_live_run_and_removes_the_rest(tmp_pat
     proc = subprocess.Popen(["sleep", "60"], env={**os.environ, "NODEOPS_RUN_ID": live})
     try:
         time.sleep(0.2)
-        script = R._home(R._REMOVE.replace("@RUNS@", P.RUNS_DIR))
+        script = ssh_backend.in_home(R._REMOVE.replace("@RUNS@", P.RUNS_DIR))
         p = subprocess.run(["bash", "-c", script, "nodeops-clean", live, done, linked, absent], capture_output=True,
                            text=True, env={**os.environ, "HOME": str(tmp_path)}, timeout=30, check=False)  # fmt: skip
     finally:
@@ -158,8 +159,8 @@ def test_the_chief_probe_says_verdict_gone_running_or_ended(tmp_path: Path) -> N
         time.sleep(0.2)
         said = {}
         for k, rid in ids.items():
-            script = R._PROBE.replace("@ID@", sh_word(rid)).replace("@DIR@", sh_word(f"{P.RUNS_DIR}/{rid}"))
-            p = subprocess.run(["bash", "-c", R._home(script)], capture_output=True, text=True, timeout=30,
+            script = ssh_backend._PROBE.replace("@ID@", sh_word(rid)).replace("@DIR@", sh_word(f"{P.RUNS_DIR}/{rid}"))
+            p = subprocess.run(["bash", "-c", ssh_backend.in_home(script)], capture_output=True, text=True, timeout=30,
                                env={**os.environ, "HOME": str(tmp_path)}, check=False)  # fmt: skip
             said[k] = p.stdout.splitlines()[0] if p.stdout else p.stderr
     finally:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from nodeops import sandbox_slurm, slurm
-from nodeops.spec import load_spec, load_spec_text
+from nodeops.loading import load_spec
+from nodeops.spec import load_spec_text
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 HOSTILE = ["train.py", "--name", "it's a $(touch /tmp/pwned) `id`; rm -rf ~", "a\nb", "*", "", "--", "${HOME}"]
@@ -236,7 +237,8 @@ def test_check_srun_step_asks_for_the_jobs_shape() -> None:
 
 
 def test_runs_reads_a_slurm_runs_state(fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nodeops import jobs, runs
+    from nodeops import jobs
+    from nodeops.lifecycle import runs
 
     monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
     d = jobs.jobs_dir() / "20261123-010203-abcd"
@@ -376,7 +378,8 @@ def _timing_out_sbatch(run):  # type: ignore[no-untyped-def]
 
 def test_a_forgotten_job_is_never_left_running(fake_slurm: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from nodeops import jobs, runs
+    from nodeops import jobs
+    from nodeops.lifecycle import runs
 
     for tool in ("squeue", "scontrol"):
         (fake_slurm / "bin" / tool).write_text("#!/bin/sh\necho 'Invalid job id specified' >&2\nexit 1\n")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from nodeops.errors import SpecError
-from nodeops.spec import load_spec
+from nodeops.loading import load_spec
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 EXPECT = re.compile(r"^# expect: (\d+):(\d+) (\S+) \| (.+)$", re.M)

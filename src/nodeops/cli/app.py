@@ -6,16 +6,17 @@ imports what it needs (pydantic, ansible_runner, ...) when it runs.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from nodeops import __version__
-from nodeops.errors import EXIT_INTERRUPTED, EXIT_SPEC, NodeopsError, SpecError
+from nodeops.errors import EXIT_INTERRUPTED, EXIT_SPEC, ExitWith, NodeopsError, SpecError
 
 
 def _plain_metavar(self: typer.core.TyperOption | typer.core.TyperArgument, ctx: object) -> str | None:
@@ -146,6 +147,10 @@ def errors() -> Iterator[None]:
     """The one place domain errors become messages on stderr and documented exit codes."""
     try:
         yield
+    except ExitWith as e:  # a run's own outcome: its words as they are, its exit code
+        if e.message:
+            err(e.message)
+        raise typer.Exit(e.exit_code) from None
     except SpecError as e:
         for issue in e.issues:
             err(str(issue))
@@ -155,6 +160,34 @@ def errors() -> Iterator[None]:
         fail(f"error: {e}", e.exit_code)
     except KeyboardInterrupt:
         fail("interrupted", EXIT_INTERRUPTED)
+
+
+_RANK_PREFIX = re.compile(r"\[rank\d+\]:")
+
+
+def emit_line(host: str, line: str) -> None:
+    """One log line as `host [rankN]:...` (torchrun's rank lines) or `host | ...` (anything else)."""
+    sys.stdout.write(f"{host} {line}\n" if _RANK_PREFIX.match(line) else f"{host} | {line}\n")
+    sys.stdout.flush()
+
+
+class ConsoleSink:
+    """The lifecycle's events on the terminal: progress and verdicts on stderr, results and log
+    lines on stdout (the lifecycle itself never prints)."""
+
+    def note(self, text: str) -> None:
+        err(text)
+
+    def out(self, text: str) -> None:
+        typer.echo(text)
+
+    def line(self, host: str, text: str) -> None:
+        emit_line(host, text)
+
+    def report(self, report: Any) -> None:
+        from nodeops.cli.reports import print_fabric
+
+        print_fabric(report, stderr=True)
 
 
 def main() -> None:

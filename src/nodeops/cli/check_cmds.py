@@ -9,15 +9,11 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nodeops.cli.app import CONTEXT, GroupOpt, SpecArg, app, err, errors, fail
-from nodeops.errors import EXIT_SPEC
+from nodeops.cli.app import CONTEXT, ConsoleSink, GroupOpt, SpecArg, app, err, errors
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from nodeops.check import Report
     from nodeops.fabric import FabricReport
-    from nodeops.spec import LoadedSpec
 
 COLORS = {"ok": "green", "warn": "yellow", "fail": "red"}
 
@@ -122,45 +118,24 @@ def check(
     network.fabric.max_pair_spread (0.7) of a healthy node's, or any figure below
     network.fabric.min_busbw_gbps, fails the check and is named, slowest first.
     """
-    from nodeops import check as chk
-    from nodeops import gpus
-    from nodeops.render import require_controller_files
-    from nodeops.spec import load_spec
+    from nodeops.cli.reports import print_fabric
+    from nodeops.lifecycle.check import check as do_check
+    from nodeops.lifecycle.check import measure_fabric
 
+    sink = ConsoleSink()
     with errors(), json_errors(as_json):
-        loaded = gpus.resolved(load_spec(spec, group), required=False)  # gpus: auto, as setup found them
-        require_controller_files(loaded)
-        if loaded.spec.on_slurm:
-            if fabric:
-                fail("error: --fabric cannot be used with backend: slurm yet (nothing was run)", EXIT_SPEC)
-            s = loaded.spec.slurm
-            err(f"==> checking the {s.nodes if s else 0} node(s) Slurm gives, in one srun step")
-            nodes_spec, result = chk.run_slurm(loaded, timeout=timeout)
-            report = chk.as_srun_rows(chk.evaluate(nodes_spec, result), result.get("missing", ""))
-        else:
-            err(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
-            result = chk.run(loaded, timeout=timeout)
-            report = chk.evaluate(loaded.spec, result, auto_gpus=loaded.discovered_gpus)
+        loaded, report = do_check(spec, sink, group=group, timeout=timeout, fabric=fabric)
     code = report.exit_code(strict)
     if not as_json:
         print_report(report, "check")
     fab: FabricReport | None = None
     fab_error = ""
     if fabric:
-        if report.worst() == "fail":
-            fab_error = "not run: a check failed (the measurement needs every node reachable on the job's ports)"
-        else:
-            from nodeops.errors import NodeopsError
-
-            try:
-                fab = run_fabric(loaded, spec, fabric_seconds, verbose)
-            except (FabricError, NodeopsError) as e:  # the check report above still stands
-                fab_error = str(e)
+        with errors():
+            fab, fab_error = measure_fabric(loaded, spec, report, sink, seconds=fabric_seconds, verbose=verbose)
         code = max(code, 0 if fab is not None and fab.ok else 1)
         if not as_json:
             if fab is not None:
-                from nodeops.fabric import print_report as print_fabric
-
                 print_fabric(fab)
             else:
                 err(f"fabric: {fab_error}")
@@ -173,62 +148,3 @@ def check(
                 doc["status"] = "fail"
         typer.echo(json.dumps(doc, indent=2))
     raise typer.Exit(code)
-
-
-class FabricError(Exception):
-    """The fabric measurement did not produce a result (the run failed, or said nothing)."""
-
-
-def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, verbose: bool = False) -> FabricReport:
-    """Run the fabric probe as an ordinary torchrun run (the spec's env file, Python env,
-    interface settings and ports; NCCL's network lines switched on) and judge its result."""
-    import dataclasses
-    from pathlib import Path
-
-    from nodeops import fabric, jobs
-    from nodeops.cli.launch_cmds import run_job
-    from nodeops.starter import RunFile
-
-    s = loaded.spec
-    # torchrun whatever the job's runner: one process per GPU (or one per node), the same ports.
-    launch = s.launch.model_copy(update={"runner": "torchrun", "max_restarts": 0})
-    as_torchrun = dataclasses.replace(loaded, spec=s.model_copy(update={"launch": launch}))
-    names = [s.alias(n) for n in s.ranked_nodes()]
-    run_id = jobs.new_run_id()
-    thresholds = s.network.fabric
-    undiscovered = [s.alias(n) for n in s.nodes if n.gpus == "auto"]
-    if undiscovered:
-        raise FabricError(f"gpus: auto is not discovered yet on {', '.join(undiscovered)}: run `nodeops setup` first")
-    which = fabric.backend([len(n.gpus) if isinstance(n.gpus, list) else 0 for n in s.ranked_nodes()])
-    script = f"@@HOME@@/{jobs.remote_dir(run_id)}/fabric.py"
-    argv = fabric.probe_argv(names, seconds, thresholds.max_pair_spread, script, which)
-    probe = (Path(fabric.__file__).parent / "fabric_probe.py").read_text()
-    collector = fabric.Collector(lambda host, line: err(f"{host} {line}"), verbose)
-    pairs = len(fabric.ring_pairs(len(names)))
-    err(
-        f"==> fabric: all-reduce over {len(names)} node(s) and {pairs} node pair(s), {seconds:g}s budget (run {run_id})"
-    )
-    try:
-        run_job(as_torchrun, spec_path, argv, extra_files=[RunFile("fabric.py", probe, "0600")],
-                extra_env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}, emit=collector,
-                run_id=run_id)  # fmt: skip
-    except typer.Exit as e:
-        if e.exit_code == 130:  # Ctrl-C: the run is stopped everywhere; so is check
-            raise
-        if collector.doc is None:
-            raise FabricError(
-                f"the measurement (run {run_id}) failed with exit code {e.exit_code}; see above"
-            ) from None
-        failed_after = e.exit_code  # the result was printed: judge it, and say how the run ended
-    else:
-        failed_after = 0
-    if collector.doc is None:
-        raise FabricError(f"the measurement (run {run_id}) ended without a result; see `nodeops logs {run_id}`")
-    report = fabric.evaluate(collector.doc, spread=thresholds.max_pair_spread, min_busbw=thresholds.min_busbw_gbps,
-                             interfaces=collector.interfaces())  # fmt: skip
-    report.run_id = run_id
-    if failed_after:
-        report.notes.append(
-            f"the run ended with exit code {failed_after} after the measurement (nodeops logs {run_id})"
-        )
-    return report

@@ -20,9 +20,6 @@ PHASE_TAGS = ("install", "configure", "verify")
 # on the spec, with line numbers, and the controller's files (render.controller_issues), before
 # any host is touched. Infra repos running the roles keep them.
 ROLE_INPUT_CHECKS = tuple(f"{r}_preflight" for r in ROLE_TAGS if r != "packages")
-# On Slurm, setup prepares the shared filesystem through the login node: the Python env, the
-# workdir and the env file. The ssh mesh and DeepSpeed's hostfile are for ssh launches.
-NOT_ON_SLURM = ("ssh_mesh", "deepspeed_env")
 
 
 def _progress_table(results: dict[str, HostResult]) -> object:
@@ -128,10 +125,10 @@ def setup(
     from rich.console import Console
     from rich.live import Live
 
-    from nodeops import gpus
+    from nodeops import backends, gpus
+    from nodeops.loading import load_spec
     from nodeops.render import inventory, require_controller_files, resolve_secrets
     from nodeops.runner import run_playbook
-    from nodeops.spec import load_spec
 
     with errors():
         loaded = load_spec(spec, group)
@@ -142,11 +139,12 @@ def setup(
         tag_list = [t for item in (tags or []) for t in item.split(",") if t]
         check_targets(tag_list)
         skip = ROLE_INPUT_CHECKS
-        if loaded.spec.on_slurm:
-            if any(t in NOT_ON_SLURM for t in tag_list):
-                fail(f"error: --tags {', '.join(t for t in tag_list if t in NOT_ON_SLURM)}: not used with "
-                     "backend: slurm (nothing was run)", EXIT_SPEC)  # fmt: skip
-            skip = (*skip, *NOT_ON_SLURM)
+        backend = backends.for_spec(loaded.spec)
+        if backend.setup_skips:
+            if any(t in backend.setup_skips for t in tag_list):
+                fail(f"error: --tags {', '.join(t for t in tag_list if t in backend.setup_skips)}: not used with "
+                     f"backend: {backend.name} (nothing was run)", EXIT_SPEC)  # fmt: skip
+            skip = (*skip, *backend.setup_skips)
         limited = resolve_limit(by_name, limit)
         require_controller_files(loaded, os.environ, setup=True, tags=tag_list)
         if gpus.auto_nodes(loaded):  # before rendering: the hostfile's slots and nodeops_gpus need them

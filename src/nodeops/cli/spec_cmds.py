@@ -34,9 +34,10 @@ def validate(
 
     Exit 0 when valid (warnings may still be printed), 2 when not. Nothing is run anywhere.
     """
+    from nodeops import backends
     from nodeops.errors import SpecError
+    from nodeops.loading import load_spec
     from nodeops.render import controller_issues
-    from nodeops.spec import load_spec
 
     if as_json:
         try:
@@ -63,21 +64,7 @@ def validate(
         # valid, but this machine lacks something setup/launch will need: said now, with its line
         for issue in controller_issues(loaded, os.environ, "warning"):
             err(str(issue))
-        s = loaded.spec
-        world = sum(s.nproc(n) for n in s.nodes)
-        if s.on_slurm and s.slurm is not None:
-            login = s.login_node()
-            gpus = (f"{s.slurm.gpus_per_node} GPU(s) per node" if s.slurm.gpus_per_node is not None
-                    else f"{s.slurm.gpus} GPU(s) in all" if s.slurm.gpus else "no GPUs asked for")  # fmt: skip
-            typer.echo(
-                f"{spec}: valid: Slurm, {s.slurm.nodes} node(s), {gpus}, sbatch "
-                + (f"on the login node {login.address}" if login is not None else "on this machine")
-            )
-            return
-        typer.echo(
-            f"{spec}: valid: {len(s.nodes)} node(s), chief {s.chief.address}, "
-            f"{world} process(es), runner {s.launch.runner}"
-        )
+        typer.echo(f"{spec}: valid: {backends.for_spec(loaded.spec).summary(loaded)}")
 
 
 @app.command(
@@ -94,8 +81,8 @@ def render(
     and no host is contacted. Secret env values are never written.
     """
     from nodeops import gpus
-    from nodeops.render import render as do_render
-    from nodeops.spec import load_spec
+    from nodeops.backends import render_files as do_render
+    from nodeops.loading import load_spec
 
     with errors():
         loaded = gpus.resolved(load_spec(spec, group), required=False)  # gpus: auto, as the last setup found them

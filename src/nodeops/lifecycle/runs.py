@@ -11,8 +11,6 @@ the run dir is removed only when no process of the run is alive there (``agent.p
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import re
 import shutil
@@ -23,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeops import jobs
-from nodeops.errors import NodeopsError
+from nodeops import backends, jobs
+from nodeops.backends.ssh import ALIVE, in_home
+from nodeops.errors import UsageError
 from nodeops.launch import protocol as P
 from nodeops.quoting import sh_word
 
@@ -32,10 +31,6 @@ FINISHED = ("ok", "failed", "stopped", "gone")  # what clean may remove
 INFERRED_MIN_AGE = 600.0  # a run without a verdict (gone, or failed while starting) is this old before clean takes it
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
-
-
-class UsageError(NodeopsError):
-    exit_code = 2
 
 
 def parse_duration(text: str) -> float:
@@ -118,79 +113,11 @@ def local_runs() -> list[Run]:
             run.state, run.detail = "starting", "nodeops launch is starting it"
             out.append(run)
             continue
-        local = d / "result.json"
-        if job.backend == "slurm":
-            pass  # refresh asks Slurm
-        elif local.is_file():
-            try:
-                verdict = json.loads(local.read_text()).get("supervisor")
-            except ValueError:
-                verdict = None
-            if verdict:
-                apply_verdict(run, verdict)
+        verdict = backends.for_job(job).local_verdict(job)
+        if verdict:
+            apply_verdict(run, verdict)
         out.append(run)
     return out
-
-
-# Shell helpers for the remote checks: `alive ID DIR` is true while a process of the run lives
-# on this host (NODEOPS_RUN_ID=ID in its environment, the tag every job process carries) or its
-# supervisor runs. Read from /proc directly: no file of the run dir is trusted to say so.
-_ALIVE = """alive() {
-  # -q: status 0 on a match even when some /proc entries could not be read
-  grep -qsxzF "NODEOPS_RUN_ID=$1" /proc/[0-9]*/environ 2>/dev/null && return 0
-  p=$(cat "$2/supervisor.pid" 2>/dev/null || true)
-  [ -n "$p" ] && [ ! -e "$2/result.json" ] && grep -qs supervisor.py "/proc/$p/cmdline"
-}
-"""
-
-# One ssh to the chief: the verdict if there is one, else whether the run still lives there.
-_PROBE = (
-    _ALIVE
-    + """id=@ID@; d=@DIR@
-if [ -e "$d/result.json" ]; then echo verdict; cat "$d/result.json"
-elif [ ! -d "$d" ]; then echo gone
-elif alive "$id" "$d"; then echo running
-else echo ended
-fi
-"""
-)
-
-
-# A Slurm job's state, as `nodeops runs` names states
-def _slurm_states() -> dict[str, str]:
-    from nodeops import slurm
-
-    return {"COMPLETED": "ok", "CANCELLED": "stopped", **{s: "running" for s in slurm.LIVE}}
-
-
-def slurm_state(run: Run) -> None:
-    """A Slurm run's state from squeue/scontrol on its login node (or the last one seen there)."""
-    from nodeops import slurm
-
-    j = run.job
-    try:
-        st = slurm.poll(slurm.Login(j.slurm_login or None, j.ssh_config), j.run_id, j.slurm_job, {}, max_bytes=0)
-    except slurm.SlurmError as e:
-        run.state, run.detail = "unreachable", str(e)
-        return
-    if st.error:
-        run.state, run.detail = "unreachable", f"Slurm job {j.slurm_job}: {st.error}"
-        return
-    if st.forgotten and st.result is not None and not st.result.get("requeued"):
-        # Slurm forgot it (MinJobAge); the batch script's own result says how it ended
-        code = st.result.get("exit")
-        run.state, run.exit_code, run.verdict = ("ok" if code == 0 else "failed"), slurm.exit_code(st), True
-        run.detail = f"Slurm job {j.slurm_job}: {slurm.describe(st)}"
-        return
-    state = st.state or (j.slurm_state if j.slurm_state in slurm.TERMINAL else "")
-    if not state:  # forgotten, with neither a final state seen nor a result: it ended, how is lost
-        run.state, run.detail = "gone", f"Slurm job {j.slurm_job}: ended; Slurm has forgotten how (no result.json)"
-        return
-    run.state = _slurm_states().get(state, "failed")
-    run.detail = f"Slurm job {j.slurm_job}: {slurm.describe(st) if st.state else state or 'forgotten by Slurm'}"
-    if run.state in ("ok", "failed", "stopped"):
-        run.exit_code = slurm.exit_code(dataclasses.replace(st, state=state))
-        run.verdict = True
 
 
 def refresh(runs: Sequence[Run]) -> None:
@@ -198,46 +125,17 @@ def refresh(runs: Sequence[Run]) -> None:
     todo = [r for r in runs if r.state == "unknown"]
 
     def one(run: Run) -> None:
-        j = run.job
-        if j.backend == "slurm":
-            slurm_state(run)
+        st = backends.for_job(run.job).run_state(run.job)
+        if st.supervisor is not None:
+            apply_verdict(run, st.supervisor)
             return
-        script = _PROBE.replace("@ID@", sh_word(jobs.check_run_id(j.run_id))).replace(
-            "@DIR@", sh_word(jobs.remote_dir(j.run_id))
-        )
-        try:
-            p = subprocess.run(jobs.ssh_argv(j.ssh_config, j.chief, "bash", "-c", sh_word(_home(script))),
-                               capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
-        except subprocess.TimeoutExpired:
-            run.state, run.detail = "unreachable", f"{j.chief}: ssh timed out"
-            return
-        if p.returncode != 0:
-            run.state, run.detail = "unreachable", f"{j.chief}: {jobs.last_line(p.stderr, 'ssh failed')}"
-            return
-        head, _, rest = p.stdout.partition("\n")
-        if head == "verdict":
-            try:
-                verdict = json.loads(rest)
-            except ValueError:
-                run.state, run.detail = "unknown", "the chief's result.json is not JSON"
-                return
-            apply_verdict(run, verdict)
-            # keep it here: later listings need no ssh
-            (j.dir / "result.json").write_text(json.dumps({"supervisor": verdict}, indent=2))
-        elif head == "gone":
-            run.state, run.detail = "gone", f"no trace of it on {j.chief} (removed, or it never started)"
-        elif head == "running":
-            run.state, run.detail = "running", f"its supervisor runs on {j.chief}"
-        else:
-            run.state, run.detail = "failed", "ended without a verdict (it failed while starting)"
+        run.state, run.detail = st.state, st.detail
+        if st.exit_code is not None:
+            run.exit_code = st.exit_code
+        run.verdict = st.verdict
 
     by_id = {r.job.run_id: r for r in todo}
     jobs.fan_out(list(by_id), lambda rid: one(by_id[rid]), width=64)
-
-
-def _home(script: str) -> str:
-    """The run dir is relative to the remote home: make the probe cd there first."""
-    return 'cd "$HOME" || exit 1\n' + script
 
 
 def choose(
@@ -274,7 +172,7 @@ def forget(runs: Sequence[Run]) -> int:
 
 # On each host: remove the given run dirs, unless a process of that run is alive there.
 _REMOVE = (
-    _ALIVE
+    ALIVE
     + """cd "$HOME" || exit 1
 for id in "$@"; do
   d="@RUNS@/$id"
@@ -312,7 +210,7 @@ def remove(runs: Sequence[Run], forget_unreachable: bool = False) -> Removal:
     def one(key: tuple[str, str]) -> None:
         host = key[0]
         cfg, ids = groups[key]
-        script = _home(_REMOVE.replace("@RUNS@", P.RUNS_DIR))
+        script = in_home(_REMOVE.replace("@RUNS@", P.RUNS_DIR))
         argv = jobs.ssh_argv(cfg, host, "bash", "-c", sh_word(script), "nodeops-clean",
                              *(sh_word(jobs.check_run_id(i)) for i in ids))  # fmt: skip
         try:

@@ -1,0 +1,170 @@
+"""The interface every backend (ssh, Slurm, ...) implements, and what the lifecycle asks of it.
+
+Modelled on TorchX's ``Scheduler`` (a dry run as a value, ``schedule``, ``describe``,
+``log_iter``, ``cancel``, ``list``) and SkyPilot's ``Backend`` (sync, execute, teardown); see
+docs in the README ("Backends"). A backend declares what it supports in :class:`Capabilities`;
+the lifecycle refuses anything else before a host is reached, with the same words on every
+backend. A backend never prints: what the user sees goes through a :class:`Sink`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
+
+if TYPE_CHECKING:
+    from nodeops.check import Report
+    from nodeops.jobs import Job
+    from nodeops.spec import LoadedSpec
+
+
+class Sink(Protocol):
+    """Where the lifecycle's events go; the CLI prints them, a test records them."""
+
+    def note(self, text: str) -> None:
+        """Progress and verdicts (the CLI's stderr)."""
+
+    def out(self, text: str) -> None:
+        """The command's own result (the CLI's stdout): a run id, a state row, a dry run."""
+
+    def line(self, host: str, text: str) -> None:
+        """One line of a job's log, as ``host`` wrote it (the CLI adds the ``host [rankN]:`` form)."""
+
+    def report(self, report: Any) -> None:
+        """A measurement's report (a fabric report) to show beside the progress (stderr)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do; every option of `launch`/`check` that needs one of these is
+    refused (exit 2, nothing run) on a backend that lacks it."""
+
+    runners: frozenset[str]
+    detach: bool  # launch --detach: return once the job runs
+    attach: bool  # launch --attach: follow a job that the backend detaches from by default
+    detached_by_default: bool  # a plain launch returns at once (Slurm) or follows the job (ssh)
+    via_ansible: bool  # launch --via ansible: start the jobs through the launch.yml playbook
+    script: bool  # launch --script: a bash script that calls $NODEOPS_RUNNER
+    fabric: bool  # check --fabric, launch --fabric-check
+    sync: bool  # launch --sync (setup's shared_path role first)
+    preflight: bool  # the preflight before a launch (--no-check skips it)
+
+
+# The option that needs each capability, as the user types it (one wording on every backend).
+OPTION_OF: Mapping[str, str] = {
+    "detach": "--detach",
+    "attach": "--attach",
+    "via_ansible": "--via ansible",
+    "script": "--script",
+    "fabric": "--fabric-check",
+    "sync": "--sync",
+}
+
+
+@dataclass
+class LaunchRequest:
+    """What `nodeops launch` asks for, parsed (no CLI types)."""
+
+    spec_path: Path
+    argv: list[str]
+    script: str | None = None
+    detach: bool = False
+    attach: bool = False
+    via: Literal["ssh", "ansible"] = "ssh"
+    check: bool = True
+    dry_run: bool = False
+    verbose: bool = False
+    sync: bool = False
+    fabric_check: bool = False
+
+    def asked(self) -> dict[str, bool]:
+        """Which capabilities this request needs (keys of :data:`OPTION_OF`)."""
+        return {"detach": self.detach, "attach": self.attach, "via_ansible": self.via != "ssh",
+                "script": self.script is not None, "fabric": self.fabric_check, "sync": self.sync}  # fmt: skip
+
+
+@dataclass
+class DryRun:
+    """A launch's dry run as a value: what would be submitted or started, in order, each entry
+    for stdout (``out``) or stderr (``note``). Nothing was started and no host was reached."""
+
+    entries: list[tuple[Literal["out", "note"], str]] = field(default_factory=list)
+
+    def out(self, text: str) -> None:
+        self.entries.append(("out", text))
+
+    def note(self, text: str) -> None:
+        self.entries.append(("note", text))
+
+
+@dataclass
+class RunState:
+    """A run's state as `nodeops runs` shows it, from the backend (None fields: not known)."""
+
+    state: str  # running | ok | failed | stopped | gone | unreachable | unknown
+    detail: str = ""
+    exit_code: int | None = None
+    verdict: bool = False  # the state is a final verdict (else inferred)
+    supervisor: dict[str, Any] | None = None  # an ssh run's supervisor verdict, to keep as it is
+
+
+class Backend(abc.ABC):
+    """One way of running a job on the cluster. Subclasses register in ``nodeops.backends``."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    # setup's roles that have no use on this backend: skipped, and refused under --tags
+    setup_skips: ClassVar[tuple[str, ...]] = ()
+
+    def refusals(self, loaded: LoadedSpec, asked: Mapping[str, bool]) -> list[str]:
+        """The options asked for that this backend lacks, as the user typed them."""
+        caps = dataclasses.asdict(self.capabilities)
+        bad = [OPTION_OF[k] for k, on in asked.items() if on and not caps[k]]
+        if asked.get("detach") and asked.get("attach"):
+            bad.append("--detach with --attach")
+        return bad
+
+    def files(self, loaded: LoadedSpec) -> dict[str, str]:
+        """Files this backend adds to `nodeops render` (name -> text)."""
+        return {}
+
+    @abc.abstractmethod
+    def summary(self, loaded: LoadedSpec) -> str:
+        """What `nodeops validate` says of a valid spec, after "valid: "."""
+
+    @abc.abstractmethod
+    def check(self, loaded: LoadedSpec, timeout: float, sink: Sink) -> Report:
+        """`nodeops check`: every node probed at once, judged (nothing changed anywhere)."""
+
+    @abc.abstractmethod
+    def dry_run(self, loaded: LoadedSpec, request: LaunchRequest) -> DryRun:
+        """What a launch would do, as a value; reaches no host."""
+
+    @abc.abstractmethod
+    def launch(self, loaded: LoadedSpec, request: LaunchRequest, sink: Sink) -> None:
+        """Start the job (gates already passed); follow it unless detached. Raises
+        :class:`nodeops.errors.ExitWith` with the run's code when it does not end in success."""
+
+    @abc.abstractmethod
+    def status(self, job: Job, sink: Sink) -> None:
+        """Each host's (or the job's) state; ExitWith(1) when not ok."""
+
+    @abc.abstractmethod
+    def logs(self, job: Job, follow: bool, sink: Sink) -> None:
+        """The job's log lines; ``follow`` streams until it ends (then its verdict)."""
+
+    @abc.abstractmethod
+    def stop(self, job: Job, sink: Sink) -> None:
+        """Stop every process of the job and confirm it; ExitWith(1) when not confirmed."""
+
+    @abc.abstractmethod
+    def run_state(self, job: Job) -> RunState:
+        """The run's state for `nodeops runs`/`clean` (one look; never raises for a host)."""
+
+    def local_verdict(self, job: Job) -> dict[str, Any] | None:
+        """A verdict this machine already keeps for the run (None: ask with run_state)."""
+        return None

@@ -1,0 +1,410 @@
+"""The ssh backend: every host's job started over ssh (or the launch.yml playbook), one
+supervisor on the chief that fails the run fast and keeps its verdict, logs followed live.
+
+The run's story, top to bottom: :meth:`SshBackend.launch` -> :func:`run_job` (record, ship,
+start, supervisor, follow, verdict); ``status``/``logs``/``stop`` find the run by its record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+from nodeops import _launch_plan, check, jobs, launchers, starter
+from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
+from nodeops.errors import EXIT_FAILURE, ExitWith
+from nodeops.interrupts import ignoring_interrupts, sigterm_as_interrupt
+from nodeops.launchers import HostLaunch
+from nodeops.quoting import sh_word
+from nodeops.render import inventory, ssh_config
+from nodeops.runner import run_playbook
+from nodeops.spec import LoadedSpec, ResourceSpec
+from nodeops.starter import RunFile
+
+Emit = Callable[[str, str], None]
+
+
+def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None, emit_line: Emit) -> Emit:
+    """``emit_line``, plus: for mpirun (all output arrives on the chief, tagged `[job,rank]<stdout>:`)
+    the rank's own host and a `[rankN]:` prefix, like torchrun's lines; for deepspeed (pdsh
+    prefixes each node's lines with `ADDRESS: `) the node's own host name."""
+    if not rank_hosts and not pdsh_hosts:
+        return emit_line
+    pending: dict[int, str] = {}
+
+    def emit(host: str, line: str) -> None:
+        head, pieces = jobs.mpi_pieces(line) if rank_hosts else ("", [])
+        if pieces:
+            # Open MPI tags every chunk a rank writes, so one physical line can hold the pieces of
+            # several ranks' lines ("[1,1]<stdout>:a[1,0]<stdout>:b"); the newline that ends the
+            # physical line belongs to its last piece. Reassemble each rank's lines.
+            if head:
+                emit_line(host, head)
+            for n, (rank, text) in enumerate(pieces):
+                pending[rank] = pending.get(rank, "") + text
+                if n == len(pieces) - 1:
+                    out = pending.pop(rank)
+                    emit_line(rank_hosts[rank] if rank < len(rank_hosts) else host, f"[rank{rank}]:{out}")
+            return
+        prefixed = jobs.pdsh_split(line, pdsh_hosts or {})
+        if prefixed is not None:
+            emit_line((pdsh_hosts or {})[prefixed[0]], prefixed[1])
+            return
+        emit_line(host, line)
+
+    return emit
+
+
+def teardown_summary(problems: dict[str, str]) -> str:
+    """What a teardown achieved, from kill.sh's own confirmations (never assumed)."""
+    bad = {h: why for h, why in problems.items() if why}
+    if not bad:
+        return "nothing of the run is left running"
+    return "NOT confirmed clean on " + "; ".join(f"{h} ({why})" for h, why in bad.items())
+
+
+def forwarded_env(spec: ResourceSpec) -> list[str]:
+    """Names mpirun forwards to remote ranks with -x: what env.sh and the spec set on the chief."""
+    names = {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", *spec.network.nccl, *spec.env}
+    if spec.network.ib == "off":
+        names.add("NCCL_IB_DISABLE")
+    names.update(spec.group(spec.chief).shared_envs)
+    return sorted(names)
+
+
+def supervised_hosts(spec: ResourceSpec, started: list[str]) -> list[dict[str, object]]:
+    """How the chief's supervisor reaches each host (the chief itself locally): every host of the
+    spec gets a guard; ``job`` says whether it runs a job.sh (mpirun/deepspeed ranks elsewhere)."""
+    out: list[dict[str, object]] = []
+    for node in spec.ranked_nodes():
+        name = spec.alias(node)
+        group = spec.group(node)
+        out.append({"name": name, "address": node.address, "port": group.port, "user": group.username or "",
+                    "local": node is spec.chief, "job": name in started})  # fmt: skip
+    return out
+
+
+def launch_plan(loaded: LoadedSpec, user_argv: list[str], run_id: str, script: str | None) -> list[HostLaunch]:
+    """Every host's launch: its command line, node rank and the env launch adds."""
+    s = loaded.spec
+    ifname = s.network.socket_ifname if s.network.socket_ifname != "auto" else None
+    return launchers.plan(
+        s, user_argv, run_id, socket_ifname=ifname, env_names=forwarded_env(s), script=script,
+        shim_path=f"@@HOME@@/{jobs.remote_dir(run_id)}/mpi_shim.sh",
+        hostfile_path=f"@@HOME@@/.nodeops/{loaded.cluster_name}/hostfile",
+    )  # fmt: skip
+
+
+def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: bool = False) -> DryRun:
+    """`launch --dry-run`: what each host would run, from the same plan and files a launch ships;
+    nothing is started and no host is reached (so no preflight)."""
+    s = loaded.spec
+    out = DryRun()
+    for w in loaded.warnings:
+        out.note(str(w))
+    run_id = jobs.new_run_id()
+    plan = launch_plan(loaded, user_argv, run_id, script)
+    started = [h.host for h in plan if h.argv]
+    run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner, s.launch.max_restarts)
+    files = starter.host_files(loaded, plan, run_id, run_config)
+
+    def home(text: str) -> str:
+        return text.replace("@@HOME@@", "~")
+
+    rdir = starter.run_dir(run_id)
+    spec_env = [(n, "******" if v.secret else (v.value if v.value is not None else f"${v.from_env} at setup"))
+                for n, v in s.env.items()]  # fmt: skip
+    nodes = {s.alias(n): n for n in s.nodes}
+    out.note(f"==> dry run of {s.launch.runner} on {len(plan)} host(s); run id would be like {run_id}; "
+             "nothing is started")  # fmt: skip
+    if sync:
+        out.note("==> --sync would first copy the workdir source to the nodes that differ")
+    out.note("==> a launch would first run the preflight (ssh, ports, versions, workdir, script; --no-check skips it)")
+    for h in plan:
+        node = nodes[h.host]
+        out.out(f"{h.host} ({h.address}, node rank {h.node_rank}, {h.nproc} process(es))")
+        if not h.argv:
+            out.out(f"  command:  none here; the chief's {s.launch.runner} starts its ranks")
+        else:
+            out.out(f"  workdir:  {home(starter.job_workdir(loaded, run_id))}")
+            out.out(f"  command:  {home(' '.join(sh_word(a) for a in h.argv))}")
+            out.out("  env (launch):")
+            for k, v in sorted(starter.job_env(s.launch.runner, h, rdir).items()):
+                out.out(f"    {k}={home(v)}")
+            shared = s.group(node).shared_envs
+            if shared or spec_env:
+                out.out(f"  env (setup wrote these to ~/.nodeops/{loaded.cluster_name}/env.sh, secrets to "
+                        "secrets.env, beside the NCCL/Gloo settings):")  # fmt: skip
+                for k, v in [*spec_env, *((k, str(v)) for k, v in shared.items())]:
+                    out.out(f"    {k}={v}")
+        shipped = ", ".join(f"{f.name} ({f.mode}, {len(f.content.encode())} B)" for f in files[h.host])
+        out.out(f"  files to ~/{jobs.remote_dir(run_id)}/: {shipped}")
+    return out
+
+
+def run_job(
+    loaded: LoadedSpec,
+    spec_path: Path,
+    user_argv: list[str],
+    sink: Sink,
+    *,
+    script: str | None = None,
+    via: str = "ssh",
+    detach: bool = False,
+    verbose: bool = False,
+    extra_files: Sequence[RunFile] = (),
+    extra_env: Mapping[str, str] | None = None,
+    emit: Emit | None = None,
+    run_id: str | None = None,
+) -> None:
+    """Start a run on every host and, unless ``detach``, follow it to its end: returns when every
+    host exited 0, else raises ExitWith the run's exit code (after naming the first failing
+    host). ``extra_files`` go into each job host's run dir (ssh transport only: the launch role
+    renders its own files), ``extra_env`` into each job's env (after env.sh); `check --fabric`
+    ships its probe so. ``emit`` replaces ``sink.line`` for each log line; ``run_id`` is a
+    fresh one (jobs.new_run_id) chosen by the caller, when its argv must name the run dir."""
+    if extra_files and via != "ssh":
+        raise ValueError("extra_files need the ssh transport")
+    s = loaded.spec
+    run_id = run_id or jobs.new_run_id()
+    local = jobs.jobs_dir() / run_id
+    local.mkdir(mode=0o700)
+    (local / "ssh_config").write_text(ssh_config(loaded))
+    plan = launch_plan(loaded, user_argv, run_id, script)
+    if extra_env:
+        plan = [dataclasses.replace(h, env={**h.env, **extra_env}) if h.argv else h for h in plan]
+    started = [h.host for h in plan if h.argv]
+    all_hosts = [h.host for h in plan]
+    addresses = {n.address: s.alias(n) for n in s.nodes}
+    rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []  # mpirun's tagged lines
+    pdsh_hosts = addresses if s.launch.runner == "deepspeed" else {}  # pdsh's address prefixes
+    chief = s.alias(s.chief)
+    job = jobs.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
+                   spec=str(spec_path.resolve()), started=time.time(), rank_hosts=rank_hosts,
+                   all_hosts=all_hosts, pdsh_hosts=pdsh_hosts)  # fmt: skip
+    # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
+    (local / "starting").write_text(f"{os.getpid()}\n")
+    job.save()
+    t0 = time.monotonic()
+    try:
+        with sigterm_as_interrupt():
+            # announced inside the block: a Ctrl-C right after this line still stops what started
+            sink.note(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via})")
+            run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner,
+                                                 s.launch.max_restarts)  # fmt: skip
+            run = starter.run_vars(loaded, plan, run_id, run_config)
+            files = starter.files_from_vars(run)
+            for h in plan:
+                if h.argv:
+                    files[h.host] += extra_files
+            if via == "ssh":
+                bad = {h: e for h, e in starter.start_ssh(local / "ssh_config", run_id, files).items() if e}
+            else:
+                extravars = starter.ansible_vars(run)
+                # Connection data only: launch sends no env values (the ranks read env.sh and
+                # secrets.env that setup wrote), so from_env variables need not be exported.
+                result = run_playbook("launch.yml", inventory(loaded, None), kind="launch",
+                                      extravars=extravars)  # fmt: skip
+                bad = {hr.host: "; ".join(hr.errors) or hr.status for hr in result.hosts.values()
+                       if hr.status != "ok"}  # fmt: skip
+            if not bad:  # every host started: now the supervisor, which attaches to all of them
+                why = starter.start_supervisor(local / "ssh_config", run_id, chief)
+                bad = {chief: f"supervisor: {why}"} if why else {}
+    except KeyboardInterrupt:
+        # Every start has returned (the pool waits for them): stop what did start, everywhere.
+        with ignoring_interrupts():
+            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+        raise ExitWith(130, f"==> run {run_id} interrupted while starting; {teardown_summary(left)}") from None
+    if bad:
+        for host, why in bad.items():
+            sink.note(f"{host}: {why}")
+        with ignoring_interrupts():
+            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+        raise ExitWith(EXIT_FAILURE, f"launch failed on {', '.join(bad)}; {teardown_summary(left)}")
+    (local / "starting").unlink(missing_ok=True)  # the supervisor runs: it has the run's verdict
+    if detach:
+        sink.note(f"==> started in {time.monotonic() - t0:.1f}s; detached")
+        sink.note(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
+        sink.out(run_id)
+        return
+    sink.note(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
+    emit = emit or emitter(rank_hosts, pdsh_hosts, sink.line)
+    try:
+        res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=all_hosts,
+                          addresses=addresses, rank_hosts=rank_hosts)  # fmt: skip
+    except KeyboardInterrupt:  # in the instant before follow() took over Ctrl-C
+        with ignoring_interrupts():
+            jobs.request_stop(local / "ssh_config", chief, run_id)
+            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+        raise ExitWith(130, f"==> run {run_id} interrupted; {teardown_summary(left)}") from None
+    (local / "result.json").write_text(json.dumps({
+        "hosts": {h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
+        "supervisor": res.supervisor,
+    }))  # fmt: skip
+    if res.interrupted:
+        how = "stopped on request (nodeops stop)" if res.stopped_elsewhere else "interrupted"
+        raise ExitWith(res.exit_code, f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}")
+    if res.root_cause is not None:
+        rc = res.root_cause
+        code = jobs.failure_code(rc)
+        why = f"exit code {code}" if code else rc.lost_reason
+        own, summary = jobs.failure_lines(rc.tail)
+        sink.note(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); its last lines:")
+        for line in own + (summary if verbose or not own else []):
+            sink.note(f"    {rc.host} {line}")
+        if summary and own and not verbose:
+            sink.note(f"    ({len(summary)} more lines of torchrun's failure report: -v shows them, "
+                      f"as does `nodeops logs {run_id}`)")  # fmt: skip
+        if res.teardown_seconds is not None:
+            sink.note(f"==> the supervisor stopped every other rank in {res.teardown_seconds:.1f}s; "
+                      f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
+        else:
+            sink.note(f"==> {teardown_summary(res.teardown_problems)}")
+        raise ExitWith(res.exit_code)
+    if res.teardown_problems:
+        raise ExitWith(EXIT_FAILURE, f"==> run {run_id}: every host exited 0, but "
+                       f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
+    sink.note(f"==> run {run_id} finished: every host exited 0")
+
+
+# Shell helpers for the remote checks: `alive ID DIR` is true while a process of the run lives
+# on this host (NODEOPS_RUN_ID=ID in its environment, the tag every job process carries) or its
+# supervisor runs. Read from /proc directly: no file of the run dir is trusted to say so.
+ALIVE = """alive() {
+  # -q: status 0 on a match even when some /proc entries could not be read
+  grep -qsxzF "NODEOPS_RUN_ID=$1" /proc/[0-9]*/environ 2>/dev/null && return 0
+  p=$(cat "$2/supervisor.pid" 2>/dev/null || true)
+  [ -n "$p" ] && [ ! -e "$2/result.json" ] && grep -qs supervisor.py "/proc/$p/cmdline"
+}
+"""
+
+# One ssh to the chief: the verdict if there is one, else whether the run still lives there.
+_PROBE = (
+    ALIVE
+    + """id=@ID@; d=@DIR@
+if [ -e "$d/result.json" ]; then echo verdict; cat "$d/result.json"
+elif [ ! -d "$d" ]; then echo gone
+elif alive "$id" "$d"; then echo running
+else echo ended
+fi
+"""
+)
+
+
+def in_home(script: str) -> str:
+    """The run dir is relative to the remote home: make a remote script cd there first."""
+    return 'cd "$HOME" || exit 1\n' + script
+
+
+class SshBackend(Backend):
+    name: ClassVar[str] = "ssh"
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, attach=False,
+        detached_by_default=False, via_ansible=True, script=True, fabric=True, sync=True, preflight=True,
+    )  # fmt: skip
+
+    def summary(self, loaded: LoadedSpec) -> str:
+        s = loaded.spec
+        world = sum(s.nproc(n) for n in s.nodes)
+        return f"{len(s.nodes)} node(s), chief {s.chief.address}, {world} process(es), runner {s.launch.runner}"
+
+    def refusals(self, loaded: LoadedSpec, asked: Mapping[str, bool]) -> list[str]:
+        bad = super().refusals(loaded, asked)
+        # said apart: what --attach is for, and that an ssh launch already follows its logs
+        return [b if b != "--attach" else "--attach (an ssh launch follows its logs unless --detach)" for b in bad]
+
+    def check(self, loaded: LoadedSpec, timeout: float, sink: Sink) -> check.Report:
+        sink.note(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")
+        result = check.run(loaded, timeout=timeout)
+        return check.evaluate(loaded.spec, result, auto_gpus=loaded.discovered_gpus)
+
+    def dry_run(self, loaded: LoadedSpec, request: LaunchRequest) -> DryRun:
+        return dry_run(loaded, request.argv, request.script, request.sync)
+
+    def launch(self, loaded: LoadedSpec, request: LaunchRequest, sink: Sink) -> None:
+        run_job(loaded, request.spec_path, request.argv, sink, script=request.script, via=request.via,
+                detach=request.detach, verbose=request.verbose)  # fmt: skip
+
+    def status(self, job: jobs.Job, sink: Sink) -> None:
+        states = jobs.host_states(job)
+        for host, state in states.items():
+            sink.out(f"{host:12} {state}")
+        verdict = jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
+        if verdict is not None:
+            sink.note(f"run {job.run_id}: {jobs.describe(verdict)}")
+        bad = [h for h, s in states.items() if not (s.startswith("running") or s in ("exited 0", "idle"))]
+        if bad:
+            raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: not ok on {', '.join(bad)}")
+
+    def logs(self, job: jobs.Job, follow: bool, sink: Sink) -> None:
+        emit = emitter(job.rank_hosts, job.pdsh_hosts, sink.line)
+        if follow:
+            res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit, chief=job.chief, stop_on_interrupt=False,
+                              kill_hosts=job.kill_hosts, rank_hosts=job.rank_hosts)  # fmt: skip
+            if res.interrupted:
+                sink.note(f"==> stopped following; run {job.run_id} goes on (nodeops stop {job.run_id} stops it)")
+            raise ExitWith(res.exit_code)
+        for host, lines in jobs.read_logs(job).items():
+            for line in lines:
+                emit(host, line)
+
+    def stop(self, job: jobs.Job, sink: Sink) -> None:
+        ended = jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
+        if ended is not None:
+            sink.note(f"run {job.run_id} had already ended ({jobs.describe(ended)}); confirming nothing is left")
+        # The supervisor stops every host and records the run as stopped; kill on every host then
+        # confirms (and does it alone when the chief cannot be reached).
+        elif jobs.request_stop(job.ssh_config, job.chief, job.run_id):
+            jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=15)
+        problems = {h: why for h, why in jobs.teardown(job.ssh_config, job.kill_hosts, job.run_id).items() if why}
+        states = jobs.host_states(job)
+        for host, state in states.items():
+            sink.out(f"{host:12} {state}" + (f"  ({problems[host]})" if host in problems else ""))
+        left = [h for h, s in states.items() if s.startswith("running")]
+        if left or problems:
+            raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: not confirmed stopped on "
+                           f"{', '.join(dict.fromkeys([*left, *problems]))}")  # fmt: skip
+        sink.note(f"run {job.run_id}: nothing of it is left running on {len(states)} host(s)"
+                  + ("" if ended is not None else "; stopped"))  # fmt: skip
+
+    def local_verdict(self, job: jobs.Job) -> dict[str, Any] | None:
+        local = job.dir / "result.json"
+        if not local.is_file():
+            return None
+        try:
+            verdict = json.loads(local.read_text()).get("supervisor")
+        except ValueError:
+            return None
+        return verdict or None
+
+    def run_state(self, job: jobs.Job) -> RunState:
+        script = _PROBE.replace("@ID@", sh_word(jobs.check_run_id(job.run_id))).replace(
+            "@DIR@", sh_word(jobs.remote_dir(job.run_id))
+        )
+        try:
+            p = subprocess.run(jobs.ssh_argv(job.ssh_config, job.chief, "bash", "-c", sh_word(in_home(script))),
+                               capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return RunState("unreachable", f"{job.chief}: ssh timed out")
+        if p.returncode != 0:
+            return RunState("unreachable", f"{job.chief}: {jobs.last_line(p.stderr, 'ssh failed')}")
+        head, _, rest = p.stdout.partition("\n")
+        if head == "verdict":
+            try:
+                verdict = json.loads(rest)
+            except ValueError:
+                return RunState("unknown", "the chief's result.json is not JSON")
+            # keep it here: later listings need no ssh
+            (job.dir / "result.json").write_text(json.dumps({"supervisor": verdict}, indent=2))
+            return RunState("unknown", supervisor=verdict)
+        if head == "gone":
+            return RunState("gone", f"no trace of it on {job.chief} (removed, or it never started)")
+        if head == "running":
+            return RunState("running", f"its supervisor runs on {job.chief}")
+        return RunState("failed", "ended without a verdict (it failed while starting)")

@@ -1,0 +1,61 @@
+"""What a launch runs before it starts anything: the workdir sync, the preflight, the fabric check."""
+
+from __future__ import annotations
+
+import time
+
+from nodeops import check
+from nodeops.backends.base import Sink
+from nodeops.errors import EXIT_FAILURE, ExitWith, UsageError
+from nodeops.render import inventory
+from nodeops.runner import run_playbook
+from nodeops.spec import LoadedSpec
+
+
+def sync_workdir(loaded: LoadedSpec, sink: Sink) -> None:
+    """`launch --sync`: setup's shared_path role alone, on every host."""
+    wd = loaded.spec.workdir
+    if wd is None or wd.sync != "rsync":
+        raise UsageError("--sync copies an rsync workdir; the spec has "
+                         + ("no workdir" if wd is None else f"workdir.sync: {wd.sync}"))  # fmt: skip
+    t0 = time.monotonic()
+    # Connection data only, as for --via ansible: the copy needs no env values.
+    result = run_playbook("setup.yml", inventory(loaded, None), kind="sync", tags=["shared_path"])
+    if not result.ok:
+        for hr in result.hosts.values():
+            for e in hr.errors:
+                sink.note(f"{hr.host}: {e}")
+        raise ExitWith(EXIT_FAILURE, f"--sync failed on {', '.join(result.bad_hosts) or 'the controller'}; "
+                       f"nothing was started (artifacts: {result.private_data_dir})")  # fmt: skip
+    copied = [h.host for h in result.hosts.values() if h.changed]
+    sink.note(
+        f"==> workdir synced in {time.monotonic() - t0:.1f}s ("
+        + (f"copied to {', '.join(copied)}" if copied else "every node already had the source")
+        + ")"
+    )
+
+
+def script_file(user_argv: list[str], script: str | None) -> str | None:
+    """The file launch will run in the workdir: --script's, else the training script (not `-m mod`)."""
+    if script is not None:
+        return script
+    return user_argv[0] if user_argv and not user_argv[0].startswith("-") else None
+
+
+def preflight(loaded: LoadedSpec, sink: Sink, script: str | None = None) -> None:
+    """`nodeops check`'s fast subset: ssh from the chief, the job's ports, version parity, the
+    workdir against the source, and the script present on every node."""
+    t0 = time.monotonic()
+    report = check.evaluate(
+        loaded.spec,
+        check.run(loaded, fast=True, timeout=60, script=script),
+        fast=True,
+        auto_gpus=loaded.discovered_gpus,
+    )
+    failed = [r for r in report.rows if r.status == "fail"]
+    if failed:
+        for r in failed:
+            sink.note(f"{r.host}: {r.check}: {r.detail}")
+        raise ExitWith(EXIT_FAILURE, f"preflight failed on {', '.join(dict.fromkeys(r.host for r in failed))}; "
+                       f"nothing was started (details: nodeops check {loaded.file}; skip with --no-check)")  # fmt: skip
+    sink.note(f"==> preflight ok in {time.monotonic() - t0:.1f}s (ssh, ports, versions on {len(report.hosts)} hosts)")
