@@ -10,6 +10,7 @@ export PATH="$PWD/.venv/bin:$PATH"
 echo "==> ruff";     ruff check src tests bench
                      ruff format --check src tests bench
 echo "==> mypy";     mypy
+echo "==> import-linter (layers)"; lint-imports --no-cache
 echo "==> yamllint"; yamllint --strict .
 echo "==> ansible-lint (production profile)"; ansible-lint -q
 echo "==> docker";   bash scripts/ensure-docker.sh   # integration tests run real sshd containers
