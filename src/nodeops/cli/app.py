@@ -35,6 +35,12 @@ def _plain_metavar(self: typer.core.TyperOption | typer.core.TyperArgument, ctx:
     return shown + ("..." if self.nargs != 1 else "")  # a list option repeats; each takes one
 
 
+# Not typer's public API: pyproject.toml pins typer to the minor version this was written for, and
+# a typer without these methods fails here, at import, rather than changing the help silently.
+for _cls, _name in ((typer.core.TyperOption, "display_type_rich"), (typer.core.TyperArgument, "display_type_rich"),
+                    (typer.core.TyperArgument, "_usage_display_name")):  # fmt: skip
+    if not callable(getattr(_cls, _name, None)):
+        raise ImportError(f"typer {typer.__version__}: {_cls.__name__}.{_name} is gone; see pyproject.toml's typer pin")
 typer.core.TyperOption.display_type_rich = _plain_metavar  # type: ignore[method-assign]
 typer.core.TyperArgument.display_type_rich = _plain_metavar  # type: ignore[method-assign,assignment]
 
