@@ -530,3 +530,14 @@ def test_help_has_no_python_type_placeholders(command: str) -> None:
     assert r.exit_code == 0
     for placeholder in ("<bool>", "<int>", "<str>", "<path>", "<list", "{spec}", "{hostfile}"):
         assert placeholder not in r.stdout, (placeholder, r.stdout)
+
+
+def test_help_groups_commands_in_the_order_a_user_works() -> None:
+    from nodeops.cli import PANELS
+
+    r = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "120"})
+    assert r.exit_code == 0, r.output
+    panels = [line for line in r.output.splitlines() if line.startswith("╭─ ")]
+    assert [p.split()[1] for p in panels] == ["Options", *PANELS], panels
+    listed = [m.group(1) for m in re.finditer(r"^│ ([a-z][a-z-]+) ", r.output, re.M)]
+    assert listed == [name for names in PANELS.values() for name in names], listed

@@ -7,4 +7,30 @@ module level, so ``nodeops --help`` stays fast.
 from nodeops.cli import check_cmds, jobs_cmds, launch_cmds, sandbox_cmds, setup_cmds, spec_cmds  # noqa: F401  (register commands)
 from nodeops.cli.app import app, main
 
-__all__ = ["app", "main"]
+# `nodeops --help` in the order a user works: panels, and the commands in each, as listed here.
+PANELS = {
+    "Cluster": ["validate", "setup", "check"],
+    "Runs": ["launch", "status", "logs", "stop", "runs", "clean", "runner-prefix"],
+    "Specs": ["render", "schema", "import-inventory", "import-hostfile"],
+    "Sandbox": ["sandbox"],
+}
+_ORDER = [name for names in PANELS.values() for name in names]
+_PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+
+
+def _name(info: object) -> str:
+    name = getattr(info, "name", None)
+    if name:
+        return str(name)
+    group = getattr(info, "typer_instance", None)  # a sub-app added with app.add_typer
+    if group is not None and group.info.name:
+        return str(group.info.name)
+    callback = getattr(info, "callback", None)
+    return getattr(callback, "__name__", "").replace("_", "-")
+
+
+for _info in [*app.registered_commands, *app.registered_groups]:
+    _info.rich_help_panel = _PANEL_OF[_name(_info)]  # a command missing from PANELS fails here, at import
+app.registered_commands.sort(key=lambda info: _ORDER.index(_name(info)))
+
+__all__ = ["PANELS", "app", "main"]
