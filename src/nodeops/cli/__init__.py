@@ -4,6 +4,8 @@ Command modules register themselves on ``app`` when imported. They import only t
 module level, so ``nodeops --help`` stays fast.
 """
 
+from typer.models import CommandInfo, TyperInfo
+
 from nodeops.cli import check_cmds, jobs_cmds, launch_cmds, sandbox_cmds, setup_cmds, spec_cmds  # noqa: F401  (register commands)
 from nodeops.cli.app import app, main
 
@@ -18,7 +20,7 @@ _ORDER = [name for names in PANELS.values() for name in names]
 _PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 
 
-def _name(info: object) -> str:
+def _name(info: CommandInfo | TyperInfo) -> str:
     name = getattr(info, "name", None)
     if name:
         return str(name)
@@ -29,7 +31,8 @@ def _name(info: object) -> str:
     return getattr(callback, "__name__", "").replace("_", "-")
 
 
-for _info in [*app.registered_commands, *app.registered_groups]:
+_infos: list[CommandInfo | TyperInfo] = [*app.registered_commands, *app.registered_groups]
+for _info in _infos:
     _info.rich_help_panel = _PANEL_OF[_name(_info)]  # a command missing from PANELS fails here, at import
 app.registered_commands.sort(key=lambda info: _ORDER.index(_name(info)))
 
