@@ -67,7 +67,7 @@ def first_rank_line(spec: Path) -> float:
 
 
 def stop_latency(sb: sandbox.Sandbox, spec: Path) -> tuple[float, float]:
-    p = run(*NODEOPS, "launch", str(spec), "--", "ddp_train.py", "--steps", "100000", "--sleep", "0.1")
+    p = run(*NODEOPS, "launch", "--detach", str(spec), "--", "ddp_train.py", "--steps", "100000", "--sleep", "0.1")
     run_id = p.stdout.strip()
     deadline = time.monotonic() + 120
     while "step 2 " not in run(*NODEOPS, "logs", run_id).stdout:

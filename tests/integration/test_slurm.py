@@ -151,7 +151,7 @@ def test_failing_rank_fails_the_job_and_names_its_host(cluster: sandbox.Sandbox,
 
 
 def test_status_pending_running_completed_and_logs_follow(cluster: sandbox.Sandbox, project: Path) -> None:
-    p = nodeops("launch", str(project / "pending.yaml"), "--", "ddp_train.py", "--steps", "5")
+    p = nodeops("launch", "--detach", str(project / "pending.yaml"), "--", "ddp_train.py", "--steps", "5")
     assert p.returncode == 0, p.stderr
     run_id = p.stdout.strip()
     seen: list[str] = []  # each status line, when it changed
@@ -173,7 +173,9 @@ def test_status_pending_running_completed_and_logs_follow(cluster: sandbox.Sandb
 
 
 def test_stop_cancels_a_running_job(cluster: sandbox.Sandbox, project: Path) -> None:
-    p = nodeops("launch", str(project / "cluster.yaml"), "--", "ddp_train.py", "--steps", "5000", "--sleep", "0.1")
+    p = nodeops(
+        "launch", "--detach", str(project / "cluster.yaml"), "--", "ddp_train.py", "--steps", "5000", "--sleep", "0.1"
+    )
     run_id = p.stdout.strip()
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline and "step 3 " not in nodeops("logs", run_id).stdout:

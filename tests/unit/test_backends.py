@@ -51,8 +51,8 @@ class FakeBackend(Backend):
 
     name: ClassVar[str] = "fake"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        runners=frozenset({"torchrun"}), detach=True, attach=False, detached_by_default=False, via_ansible=False,
-        script=False, fabric=False, sync=False, preflight=False,
+        runners=frozenset({"torchrun"}), detach=True, via_ansible=False, script=False, fabric=False, sync=False,
+        preflight=False,
     )  # fmt: skip
 
     def __init__(self, exit_code: int = 0) -> None:
@@ -140,7 +140,7 @@ def test_dry_run_is_a_value_replayed_in_order_and_starts_nothing(fake: FakeBacke
                            ("note", "==> nothing started")]  # fmt: skip
 
 
-@pytest.mark.parametrize("asked", ["script", "via_ansible", "sync", "fabric", "attach"])
+@pytest.mark.parametrize("asked", ["script", "via_ansible", "sync", "fabric"])
 def test_what_the_backend_lacks_is_refused_before_it_is_called(fake: FakeBackend, asked: str) -> None:
     kw: dict[str, Any] = {"script": "run.sh"} if asked == "script" else {"via": "ansible"} if asked == "via_ansible" \
         else {"fabric_check": True} if asked == "fabric" else {asked: True}  # fmt: skip
@@ -172,7 +172,6 @@ def test_old_records_without_a_backend_are_ssh_runs(tmp_path: Path) -> None:
 # --------------------------------------------------------------- every real backend, through the CLI
 CLI_OPTIONS: Mapping[str, list[str]] = {
     "detach": ["--detach"],
-    "attach": ["--attach"],
     "via_ansible": ["--via", "ansible"],
     "script": ["--script", "run.sh"],
     "fabric": ["--fabric-check"],
@@ -212,3 +211,16 @@ def test_the_cli_refuses_exactly_what_a_backend_lacks(
         r = CliRunner().invoke(app, ["check", "--fabric", str(spec)])
         assert r.exit_code == 2 and f"--fabric cannot be used with backend: {name}" in r.output
     assert not (tmp_path / "home" / "jobs").exists() or not any((tmp_path / "home" / "jobs").iterdir())
+
+
+@pytest.mark.parametrize("name", sorted(backends.REGISTRY))
+def test_a_launch_follows_its_job_unless_detach_on_every_backend(name: str) -> None:
+    # one default everywhere: a script that waits for `nodeops launch` gets the run's exit code
+    assert backends.REGISTRY[name].capabilities.detach
+    assert LaunchRequest(spec_path=Path("c.yaml"), argv=["t.py"]).detach is False
+
+
+def test_detach_and_attach_together_are_refused(fake: FakeBackend) -> None:
+    with pytest.raises(UsageError, match="contradict"):
+        launch_flow.launch(request(detach=True, attach=True), Recorder())
+    assert fake.calls == []

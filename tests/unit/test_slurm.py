@@ -265,10 +265,12 @@ def test_launch_options_without_meaning_on_slurm_are_refused_before_anything_run
     spec = tmp_path / "cluster.yaml"
     spec.write_text((SPECS / "slurm-sandbox.happy.yaml").read_text().replace("~/.ssh/id_ed25519", str(key)))
     cli = CliRunner()
-    for opts in (["--script", "run.sh"], ["--via", "ansible"], ["--fabric-check"], ["--detach", "--attach"]):
+    for opts in (["--script", "run.sh"], ["--via", "ansible"], ["--fabric-check"]):
         r = cli.invoke(app, ["launch", *opts, str(spec), "train.py"])
         assert r.exit_code == 2, (opts, r.output)
         assert "cannot be used with backend: slurm (nothing was run)" in r.output
+    r = cli.invoke(app, ["launch", "--detach", "--attach", str(spec), "train.py"])
+    assert r.exit_code == 2 and "--detach and --attach contradict each other" in r.output
     r = cli.invoke(app, ["launch", "--dry-run", str(spec), "--", "train.py", "it's", "$(id)"])
     assert r.exit_code == 0, r.output
     assert "sbatch --parsable --output=RUN_DIR/batch.log RUN_DIR/job.sbatch train.py 'it'\"'\"'s' '$(id)'" in r.output

@@ -44,9 +44,7 @@ class Capabilities:
     refused (exit 2, nothing run) on a backend that lacks it."""
 
     runners: frozenset[str]
-    detach: bool  # launch --detach: return once the job runs
-    attach: bool  # launch --attach: follow a job that the backend detaches from by default
-    detached_by_default: bool  # a plain launch returns at once (Slurm) or follows the job (ssh)
+    detach: bool  # launch --detach: return once the job runs (a launch follows its job by default, everywhere)
     via_ansible: bool  # launch --via ansible: start the jobs through the launch.yml playbook
     script: bool  # launch --script: a bash script that calls $NODEOPS_RUNNER
     fabric: bool  # check --fabric, launch --fabric-check
@@ -57,7 +55,6 @@ class Capabilities:
 # The option that needs each capability, as the user types it (one wording on every backend).
 OPTION_OF: Mapping[str, str] = {
     "detach": "--detach",
-    "attach": "--attach",
     "via_ansible": "--via ansible",
     "script": "--script",
     "fabric": "--fabric-check",
@@ -73,7 +70,7 @@ class LaunchRequest:
     argv: list[str]
     script: str | None = None
     detach: bool = False
-    attach: bool = False
+    attach: bool = False  # the default on every backend; said explicitly, it conflicts with --detach
     via: Literal["ssh", "ansible"] = "ssh"
     check: bool = True
     dry_run: bool = False
@@ -83,8 +80,8 @@ class LaunchRequest:
 
     def asked(self) -> dict[str, bool]:
         """Which capabilities this request needs (keys of :data:`OPTION_OF`)."""
-        return {"detach": self.detach, "attach": self.attach, "via_ansible": self.via != "ssh",
-                "script": self.script is not None, "fabric": self.fabric_check, "sync": self.sync}  # fmt: skip
+        return {"detach": self.detach, "via_ansible": self.via != "ssh", "script": self.script is not None,
+                "fabric": self.fabric_check, "sync": self.sync}  # fmt: skip
 
 
 @dataclass
@@ -123,10 +120,7 @@ class Backend(abc.ABC):
     def refusals(self, loaded: LoadedSpec, asked: Mapping[str, bool]) -> list[str]:
         """The options asked for that this backend lacks, as the user typed them."""
         caps = dataclasses.asdict(self.capabilities)
-        bad = [OPTION_OF[k] for k, on in asked.items() if on and not caps[k]]
-        if asked.get("detach") and asked.get("attach"):
-            bad.append("--detach with --attach")
-        return bad
+        return [OPTION_OF[k] for k, on in asked.items() if on and not caps[k]]
 
     def files(self, loaded: LoadedSpec) -> dict[str, str]:
         """Files this backend adds to `nodeops render` (name -> text)."""

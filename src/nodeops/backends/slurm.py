@@ -139,7 +139,7 @@ def verdict(job: jobs.Job, st: slurm.Poll, sink: Sink) -> None:
 class SlurmBackend(Backend):
     name: ClassVar[str] = "slurm"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        runners=frozenset({"torchrun"}), detach=True, attach=True, detached_by_default=True, via_ansible=False,
+        runners=frozenset({"torchrun"}), detach=True, via_ansible=False,
         script=False, fabric=False, sync=True, preflight=False,
     )  # fmt: skip
     # On Slurm, setup prepares the shared filesystem through the login node: the Python env, the
@@ -177,8 +177,8 @@ class SlurmBackend(Backend):
         return out
 
     def launch(self, loaded: LoadedSpec, request: LaunchRequest, sink: Sink) -> None:
-        """Submit the batch script; detached, print the run id; attached, follow it like `logs -f`
-        (Ctrl-C cancels the job) and exit with its code."""
+        """Submit the batch script; then follow it like `logs -f` (Ctrl-C cancels the job) and exit
+        with its code, or (``--detach``) print the run id and return."""
         user_argv = request.argv
         run_id = jobs.new_run_id()
         local = jobs.jobs_dir() / run_id
@@ -213,7 +213,7 @@ class SlurmBackend(Backend):
             with ignoring_interrupts():
                 _st, how = cancel(job)
             raise ExitWith(130, f"==> run {run_id} interrupted while submitting: job {job_id} cancelled; {how}")
-        if not request.attach:
+        if request.detach:
             sink.note(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
             sink.out(run_id)
             return

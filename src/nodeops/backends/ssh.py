@@ -305,19 +305,14 @@ def in_home(script: str) -> str:
 class SshBackend(Backend):
     name: ClassVar[str] = "ssh"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, attach=False,
-        detached_by_default=False, via_ansible=True, script=True, fabric=True, sync=True, preflight=True,
+        runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, via_ansible=True, script=True,
+        fabric=True, sync=True, preflight=True,
     )  # fmt: skip
 
     def summary(self, loaded: LoadedSpec) -> str:
         s = loaded.spec
         world = sum(s.nproc(n) for n in s.nodes)
         return f"{len(s.nodes)} node(s), chief {s.chief.address}, {world} process(es), runner {s.launch.runner}"
-
-    def refusals(self, loaded: LoadedSpec, asked: Mapping[str, bool]) -> list[str]:
-        bad = super().refusals(loaded, asked)
-        # said apart: what --attach is for, and that an ssh launch already follows its logs
-        return [b if b != "--attach" else "--attach (an ssh launch follows its logs unless --detach)" for b in bad]
 
     def check(self, loaded: LoadedSpec, timeout: float, sink: Sink) -> check.Report:
         sink.note(f"==> checking {len(loaded.spec.nodes)} hosts from the chief {loaded.spec.alias(loaded.spec.chief)}")

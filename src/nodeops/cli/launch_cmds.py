@@ -59,7 +59,7 @@ class ScriptCommand(TyperCommand):
         "    nodeops launch --dry-run cluster.yaml train.py   # each host's command, env and files; starts nothing\n\n"
         "    nodeops launch --fabric-check cluster.yaml train.py   # measure the links first; a slow node stops it\n\n"
         "    nodeops launch aws_ec2.yml --group gpu -- train.py   # an Ansible inventory (here a plugin config)\n\n"
-        "    nodeops launch slurm.yaml --attach -- train.py   # backend: slurm: sbatch, then follow the job"
+        "    nodeops launch slurm.yaml -- train.py   # backend: slurm: sbatch, then follow the job (as on ssh)"
     ),
 )
 def launch(
@@ -69,7 +69,12 @@ def launch(
         str | None, typer.Option(help="A bash script (in the workdir) that calls $NODEOPS_RUNNER train.py ...")
     ] = None,
     detach: Annotated[
-        bool, typer.Option("--detach", help="Return once every host has started; see `nodeops status/logs/stop`.")
+        bool,
+        typer.Option(
+            "--detach",
+            help="Return once the job runs (ssh: every host started; Slurm: sbatch took it) and print "
+            "the run id; see `nodeops status/logs/stop`.",
+        ),
     ] = False,
     via: Annotated[
         Via, typer.Option(help="How to start the jobs: one ssh per host (like pdsh), or the launch.yml playbook.")
@@ -108,8 +113,8 @@ def launch(
         bool,
         typer.Option(
             "--attach",
-            help="Slurm: follow the job's logs until it ends (Ctrl-C cancels it); "
-            "without it, launch returns once sbatch has taken the job.",
+            help="Follow the run until it ends: the default on every backend (ssh and Slurm); "
+            "accepted for scripts that say so. Conflicts with --detach.",
         ),
     ] = False,
     group: GroupOpt = None,

@@ -27,6 +27,8 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
     require_controller_files(loaded)
     if not request.argv and request.script is None:
         raise UsageError("nothing to run; give the training script, e.g. train.py")
+    if request.detach and request.attach:
+        raise UsageError("--detach and --attach contradict each other (a launch follows its job unless --detach)")
     refuse_unsupported(loaded, request)
     backend = backends.for_spec(loaded.spec)
     if request.dry_run:
