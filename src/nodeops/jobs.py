@@ -87,6 +87,7 @@ class JobResult:
     teardown_problems: dict[str, str] = field(default_factory=dict)  # host -> why it may not be clean
     supervisor: dict[str, Any] | None = None  # the chief supervisor's result.json
     stopped_elsewhere: bool = False  # stopped by a request from elsewhere (nodeops stop), not our Ctrl-C
+    folded: dict[str, int] = field(default_factory=dict)  # host -> lines kept out of the live stream
 
     @property
     def exit_code(self) -> int:
@@ -301,6 +302,7 @@ def follow(
     kill_hosts: Sequence[str] = (),
     addresses: dict[str, str] | None = None,
     rank_hosts: Sequence[str] = (),
+    fold_after_failure: bool = False,
 ) -> JobResult:
     """Stream every host's log until all jobs end, then read the supervisor's verdict.
 
@@ -310,6 +312,11 @@ def follow(
     be reached (or nothing ends within 20 s) does it run kill on every host itself. Without it
     (``nodeops logs -f``) Ctrl-C only stops reading. ``addresses``: address -> host, to name the
     host in pdsh's lines (DeepSpeed's runner); ``rank_hosts``: mpirun's rank -> host.
+    ``fold_after_failure`` (an attached launch): once a host's job has failed, the other hosts'
+    lines are held back: most are what the supervisor's teardown makes them say (torchrun's
+    SignalException tracebacks). A held host whose own job then fails gets its lines emitted at
+    that moment; the rest stay in the logs and the tails and are counted in ``folded``, so the
+    failure report is not buried under them.
     """
     states = {h: HostState(h) for h in hosts}
     kill_hosts = list(kill_hosts) or list(hosts)
@@ -338,6 +345,8 @@ def follow(
     interrupted = False
     teardown_result: dict[str, str] = {}
     done: set[str] = set()
+    failed: list[str] = []  # hosts whose job failed, in the order it was seen
+    held: dict[str, list[str]] = {}  # fold_after_failure: lines held back after the first failure
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(_sig: int, _frame: object) -> None:
@@ -364,9 +373,16 @@ def follow(
                 if st.exit_code == -1:
                     st.stopped = value == "killed"
                     st.lost_reason = "the job was stopped" if st.stopped else f"the job {value}"
+                if st.exit_code != 0 and not st.stopped:
+                    failed.append(host)
+                    for own in held.pop(host, []):  # its own failure's lines: shown after all
+                        emit(host, own)
             else:
                 st.tail.append(line)
-                emit(host, line)
+                if fold_after_failure and failed and host not in failed:
+                    held.setdefault(host, []).append(line)
+                else:
+                    emit(host, line)
                 prefixed = pdsh_split(line, addresses or {})
                 if prefixed is not None:
                     remote_tails.setdefault(prefixed[0], deque(maxlen=TAIL_LINES)).append(prefixed[1])
@@ -425,6 +441,7 @@ def follow(
         teardown_result,
         result,
         stopped_elsewhere=stopped and not interrupted,
+        folded={h: len(lines) for h, lines in held.items() if lines},
     )
 
 

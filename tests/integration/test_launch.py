@@ -138,6 +138,18 @@ def test_fail_fast_names_the_failing_node_and_leaves_nothing(
     left = leftovers(sandbox_cluster)
     assert time.monotonic() - returned < 3
     assert left == {"node1": [], "node2": [], "node3": []}
+    # The victims' teardown tracebacks (torchrun's SignalException for the SIGTERM nodeops sent)
+    # stay out of the live stream and the report; they are counted, and `nodeops logs` has them.
+    assert "SignalException" not in p.stdout + p.stderr, p.stdout[-3000:]
+    assert re.search(r"^node3 \[rank2\]:rank 2: failing on purpose at step 3$", p.stdout, re.M), p.stdout[-3000:]
+    folded = re.search(r"\((\d+) lines the other hosts printed while they were stopped \(([^)]*)\) are not "
+                       r"shown here: `nodeops logs (\S+)` has them\)", p.stderr)  # fmt: skip
+    assert folded, p.stderr[-3000:]
+    assert set(folded.group(2).split(", ")) <= {"node1", "node2"}
+    logs = _cli("logs", folded.group(3))
+    shown = {ln for ln in p.stdout.splitlines() if not ln.startswith("node3 ")}
+    kept = [ln for ln in logs.stdout.splitlines() if not ln.startswith("node3 ")]
+    assert len([ln for ln in kept if ln not in shown]) >= int(folded.group(1)), logs.stdout[-3000:]
 
 
 def test_sigint_stops_every_rank(sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object) -> None:

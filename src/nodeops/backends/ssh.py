@@ -237,7 +237,7 @@ def run_job(
     emit = emit or emitter(rank_hosts, pdsh_hosts, sink.line)
     try:
         res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=all_hosts,
-                          addresses=addresses, rank_hosts=rank_hosts)  # fmt: skip
+                          addresses=addresses, rank_hosts=rank_hosts, fold_after_failure=True)  # fmt: skip
     except KeyboardInterrupt:  # in the instant before follow() took over Ctrl-C
         with ignoring_interrupts():
             jobs.request_stop(local / "ssh_config", chief, run_id)
@@ -261,6 +261,9 @@ def run_job(
         if summary and own and not verbose:
             sink.note(f"    ({len(summary)} more lines of torchrun's failure report: -v shows them, "
                       f"as does `nodeops logs {run_id}`)")  # fmt: skip
+        if res.folded:
+            sink.note(f"    ({sum(res.folded.values())} lines the other hosts printed while they were stopped "
+                      f"({', '.join(res.folded)}) are not shown here: `nodeops logs {run_id}` has them)")  # fmt: skip
         if res.teardown_seconds is not None:
             sink.note(f"==> the supervisor stopped every other rank in {res.teardown_seconds:.1f}s; "
                       f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
