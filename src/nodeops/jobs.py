@@ -312,11 +312,11 @@ def follow(
     be reached (or nothing ends within 20 s) does it run kill on every host itself. Without it
     (``nodeops logs -f``) Ctrl-C only stops reading. ``addresses``: address -> host, to name the
     host in pdsh's lines (DeepSpeed's runner); ``rank_hosts``: mpirun's rank -> host.
-    ``fold_after_failure`` (an attached launch): once a host's job has failed, the other hosts'
-    lines are held back: most are what the supervisor's teardown makes them say (torchrun's
-    SignalException tracebacks). A held host whose own job then fails gets its lines emitted at
-    that moment; the rest stay in the logs and the tails and are counted in ``folded``, so the
-    failure report is not buried under them.
+    ``fold_after_failure`` (an attached launch): a host's lines are held back once its torchrun
+    says it got a death signal (the supervisor's teardown: a SignalException traceback follows),
+    and every other host's once a host's job has failed. A held host whose own job then fails
+    gets its lines emitted at that moment; the rest stay in the logs and the tails and are
+    counted in ``folded``, so the failure report is not buried under them.
     """
     states = {h: HostState(h) for h in hosts}
     kill_hosts = list(kill_hosts) or list(hosts)
@@ -379,7 +379,7 @@ def follow(
                         emit(host, own)
             else:
                 st.tail.append(line)
-                if fold_after_failure and failed and host not in failed:
+                if fold_after_failure and host not in failed and (host in held or failed or TEARDOWN_LINE.search(line)):
                     held.setdefault(host, []).append(line)
                 else:
                     emit(host, line)
@@ -444,6 +444,10 @@ def follow(
         folded={h: len(lines) for h, lines in held.items() if lines},
     )
 
+
+# torchrun's word that it was told to stop (torch.distributed.elastic's agent: "Received
+# Signals.SIGTERM death signal, shutting down workers"); its SignalException traceback follows.
+TEARDOWN_LINE = re.compile(r"death signal, shutting down workers")
 
 _MPI_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
 _MPI_FIRST = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
