@@ -43,7 +43,7 @@ class Capabilities:
     """What a backend can do; every option of `launch`/`check` that needs one of these is
     refused (exit 2, nothing run) on a backend that lacks it."""
 
-    runners: frozenset[str]
+    runners: frozenset[str]  # what spec validation admits for `launch.runner` (tests/unit/test_backends.py)
     detach: bool  # launch --detach: return once the job runs (a launch follows its job by default, everywhere)
     via_ansible: bool  # launch --via ansible: start the jobs through the launch.yml playbook
     script: bool  # launch --script: a bash script that calls $NODEOPS_RUNNER
@@ -117,7 +117,7 @@ class Backend(abc.ABC):
     # setup's roles that have no use on this backend: skipped, and refused under --tags
     setup_skips: ClassVar[tuple[str, ...]] = ()
 
-    def refusals(self, loaded: LoadedSpec, asked: Mapping[str, bool]) -> list[str]:
+    def refusals(self, asked: Mapping[str, bool]) -> list[str]:
         """The options asked for that this backend lacks, as the user typed them."""
         caps = dataclasses.asdict(self.capabilities)
         return [OPTION_OF[k] for k, on in asked.items() if on and not caps[k]]

@@ -61,19 +61,20 @@ def follow(job: jobs.Job, sink: Sink, *, cancel_on_interrupt: bool) -> slurm.Pol
     following (`logs -f`), as the caller says."""
     login = login_for(job)
     fol = slurm.Follower(login, job.run_id, job.slurm_job, sink.line)
-    seen: dict[str, object] = {"state": "", "running_since": None, "warned": False}
+    last_state = ""
+    running_since: float | None = None
+    warned = False
 
     def on_poll(st: slurm.Poll) -> None:
-        if st.state and st.state != seen["state"]:
-            seen["state"] = st.state
+        nonlocal last_state, running_since, warned
+        if st.state and st.state != last_state:
+            last_state = st.state
             sink.note(f"==> job {job.slurm_job}: {slurm.describe(st)}")
             remember(job, st)
-        if st.state == "RUNNING" and slurm.BATCH_LOG not in st.files and not seen["warned"]:
-            since = seen["running_since"] = seen["running_since"] or time.monotonic()
-            if not isinstance(since, float):
-                raise TypeError("running_since")
-            if time.monotonic() - since > NO_LOG_WARN:
-                seen["warned"] = True
+        if st.state == "RUNNING" and slurm.BATCH_LOG not in st.files and not warned:
+            running_since = running_since or time.monotonic()
+            if time.monotonic() - running_since > NO_LOG_WARN:
+                warned = True
                 sink.note(
                     f"warning: job {job.slurm_job} has run {NO_LOG_WARN:.0f}s and its batch log is not in "
                     f"~/.nodeops/runs/{job.run_id} on {login.where}: is that dir on a filesystem the nodes share?"
@@ -81,7 +82,7 @@ def follow(job: jobs.Job, sink: Sink, *, cancel_on_interrupt: bool) -> slurm.Pol
 
     try:
         st = fol.until_end(on_poll=on_poll)
-        last = str(seen["state"] or job.slurm_state)
+        last = last_state or job.slurm_state
         if st.forgotten and st.result is None and last in slurm.TERMINAL:
             st.state = last  # Slurm forgot it before we looked again: the last state seen
         return st

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nodeops import backends, gpus
+from nodeops import backends
 from nodeops.backends.base import Sink
 from nodeops.check import Report
 from nodeops.errors import ExitWith, NodeopsError, UsageError
 from nodeops.fabric import FabricReport
+from nodeops.lifecycle import load_cluster
 from nodeops.lifecycle.fabric import run_fabric
-from nodeops.loading import load_spec
-from nodeops.render import require_controller_files
 from nodeops.spec import LoadedSpec
 
 
 def check(spec_path: Path, sink: Sink, *, group: str | None = None, timeout: float = 120,
           fabric: bool = False) -> tuple[LoadedSpec, Report]:  # fmt: skip
     """Every node probed at once by the spec's backend, and judged."""
-    loaded = gpus.resolved(load_spec(spec_path, group), required=False)  # gpus: auto, as setup found them
-    require_controller_files(loaded)
+    loaded = load_cluster(spec_path, group, required=False)
     backend = backends.for_spec(loaded.spec)
     if fabric and not backend.capabilities.fabric:
         raise UsageError(f"--fabric cannot be used with backend: {backend.name} (nothing was run)")
@@ -33,9 +31,7 @@ def measure_fabric(loaded: LoadedSpec, spec_path: Path, report: Report, sink: Si
         return None, "not run: a check failed (the measurement needs every node reachable on the job's ports)"
     try:
         return run_fabric(loaded, spec_path, seconds, sink, verbose), ""
-    except ExitWith as e:
-        if e.exit_code == 130:  # Ctrl-C: the run is stopped everywhere; so is check
-            raise
-        return None, e.message or f"the measurement failed with exit code {e.exit_code}"
-    except NodeopsError as e:  # the check report above still stands
+    except ExitWith:  # only Ctrl-C gets through run_fabric: the run is stopped everywhere; so is check
+        raise
+    except NodeopsError as e:  # FabricError and the like: the check report above still stands
         return None, str(e)

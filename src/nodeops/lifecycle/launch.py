@@ -3,34 +3,29 @@ backend's own start (and follow)."""
 
 from __future__ import annotations
 
-from nodeops import backends, gpus
-from nodeops.backends.base import LaunchRequest, Sink
+from nodeops import backends
+from nodeops.backends.base import Backend, LaunchRequest, Sink
 from nodeops.errors import UsageError
-from nodeops.lifecycle import gates
+from nodeops.lifecycle import gates, load_cluster
 from nodeops.lifecycle.fabric import fabric_gate
-from nodeops.loading import load_spec
-from nodeops.render import require_controller_files
-from nodeops.spec import LoadedSpec
 
 
-def refuse_unsupported(loaded: LoadedSpec, request: LaunchRequest) -> None:
+def refuse_unsupported(backend: Backend, request: LaunchRequest) -> None:
     """Every option the spec's backend does not declare, refused at once (exit 2, nothing run)."""
-    backend = backends.for_spec(loaded.spec)
-    bad = backend.refusals(loaded, request.asked())
+    bad = backend.refusals(request.asked())
     if bad:
         raise UsageError(f"{', '.join(bad)} cannot be used with backend: {backend.name} (nothing was run)")
 
 
 def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None:
     """Load the spec, refuse what its backend lacks, then dry-run, or pass the gates and start."""
-    loaded = gpus.resolved(load_spec(request.spec_path, group), required=not request.dry_run)  # gpus: auto
-    require_controller_files(loaded)
+    loaded = load_cluster(request.spec_path, group, required=not request.dry_run)
     if not request.argv and request.script is None:
         raise UsageError("nothing to run; give the training script, e.g. train.py")
     if request.detach and request.attach:
         raise UsageError("--detach and --attach contradict each other (a launch follows its job unless --detach)")
-    refuse_unsupported(loaded, request)
     backend = backends.for_spec(loaded.spec)
+    refuse_unsupported(backend, request)
     if request.dry_run:
         for kind, text in backend.dry_run(loaded, request).entries:
             (sink.out if kind == "out" else sink.note)(text)
