@@ -110,9 +110,10 @@ def leftovers(sb: sandbox.Sandbox, timeout: float = 30) -> dict[str, list[str]]:
 
 def test_ddp_on_uneven_gpus_every_rank_agrees(cluster: sandbox.Sandbox, project: Path) -> None:
     t = time.monotonic()
-    p = nodeops("launch", str(project / "cluster.yaml"), "--attach", "--", "ddp_train.py", "--steps", "5")
+    # no --attach: a launch follows its job to the end on Slurm as on ssh (the default)
+    p = nodeops("launch", str(project / "cluster.yaml"), "--", "ddp_train.py", "--steps", "5")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    print(f"launch --attach of a 5-step DDP job: {time.monotonic() - t:.1f}s")
+    print(f"launch (attached by default) of a 5-step DDP job: {time.monotonic() - t:.1f}s")
     placed = PLACED.findall(p.stdout)
     # 2+1+1 fake GPUs: world size 4, torchrun starts 2 ranks on node1 and 1 on each other node
     assert sorted(int(r) for _, r, _, _ in placed) == [0, 1, 2, 3], p.stdout[-3000:]

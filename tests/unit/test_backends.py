@@ -16,11 +16,11 @@ from nodeops import backends, jobs
 from nodeops.backends.base import OPTION_OF, Backend, Capabilities, DryRun, LaunchRequest, RunState
 from nodeops.check import Report
 from nodeops.cli import app
-from nodeops.errors import ExitWith, UsageError
+from nodeops.errors import ExitWith, SpecError, UsageError
 from nodeops.lifecycle import control
 from nodeops.lifecycle import launch as launch_flow
 from nodeops.lifecycle import runs as runs_flow
-from nodeops.spec import LoadedSpec
+from nodeops.spec import LoadedSpec, load_spec_text
 
 from ..conftest import ROOT
 
@@ -214,10 +214,17 @@ def test_the_cli_refuses_exactly_what_a_backend_lacks(
 
 
 @pytest.mark.parametrize("name", sorted(backends.REGISTRY))
-def test_a_launch_follows_its_job_unless_detach_on_every_backend(name: str) -> None:
-    # one default everywhere: a script that waits for `nodeops launch` gets the run's exit code
-    assert backends.REGISTRY[name].capabilities.detach
-    assert LaunchRequest(spec_path=Path("c.yaml"), argv=["t.py"]).detach is False
+@pytest.mark.parametrize("runner", ["torchrun", "mpirun", "deepspeed"])
+def test_spec_validation_admits_exactly_the_runners_a_backend_declares(name: str, runner: str, tmp_path: Path) -> None:
+    text = spec_for(name, tmp_path).read_text() + f"launch:\n  runner: {runner}\n"
+    declared = runner in backends.REGISTRY[name].capabilities.runners
+    try:
+        load_spec_text(text, "cluster.yaml")
+    except SpecError as e:
+        assert not declared, str(e)
+        assert any(i.field == "launch.runner" for i in e.issues), str(e)
+    else:
+        assert declared, f"{runner} validated on {name}, which does not declare it"
 
 
 def test_detach_and_attach_together_are_refused(fake: FakeBackend) -> None:
