@@ -9,7 +9,6 @@ from the chief is the one reported.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
@@ -20,11 +19,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from nodeops import probe
+from nodeops import probe, workdir
 from nodeops.errors import NodeopsError
-from nodeops.jobs import last_line, ssh_argv
+from nodeops.launchers import rendezvous
 from nodeops.quoting import sh_word
+from nodeops.render import activation, ssh_config
 from nodeops.spec import LoadedSpec, ResourceSpec
+from nodeops.transport import last_line, ssh_argv
 
 OK, WARN, FAIL = "ok", "warn", "fail"
 BRIDGE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "vxlan", "lxc")
@@ -81,8 +82,6 @@ class CheckError(NodeopsError):
 
 
 def ports(spec: ResourceSpec) -> list[int]:
-    from nodeops.launchers import rendezvous
-
     out = [spec.launch.master_port]
     if spec.launch.runner == "torchrun" and rendezvous(spec) == "c10d" and spec.launch.rdzv_port not in out:
         out.append(spec.launch.rdzv_port)
@@ -91,9 +90,6 @@ def ports(spec: ResourceSpec) -> list[int]:
 
 def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script: str | None = None) -> dict[str, Any]:
     """What the chief runs: its listeners, and per node how to reach it and what to probe."""
-    from nodeops import workdir
-    from nodeops.render import activation
-
     spec = loaded.spec
     wd = spec.workdir.path if spec.workdir is not None else None
     manifest = workdir.source_manifest(loaded)
@@ -114,8 +110,6 @@ def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script
 
 def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script: str | None = None) -> dict[str, Any]:
     """Run the probe on the chief; returns its JSON, or a chief-unreachable stand-in."""
-    from nodeops.render import ssh_config
-
     spec = loaded.spec
     chief = spec.alias(spec.chief)
     the_plan = plan(loaded, fast=fast, timeout=timeout, script=script)
@@ -365,71 +359,3 @@ def _parity_rows(chief: str, facts: dict[str, dict[str, Any]], values: dict[str,
         for n in differing:
             values.setdefault(h, {})[f"pkg {n}"] = pk.get(n, "missing")
     return rows
-
-
-# --------------------------------------------------------------------------- on Slurm
-def srun_options(spec: ResourceSpec) -> list[str]:
-    """What the check's srun step asks for: the job's shape (nodes, partition, GPUs...), one
-    task per node, a short time limit."""
-    from nodeops.slurm import shape_options
-
-    s = spec.slurm
-    assert s is not None
-    reservation = [f"--reservation={s.sbatch_extra['reservation']}"] if "reservation" in s.sbatch_extra else []
-    return [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--time=10", *shape_options(spec), *reservation]
-
-
-def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> tuple[ResourceSpec, dict[str, Any]]:
-    """The probe in one srun step on the login node, one task per node Slurm gives; returns a
-    spec listing those nodes (for :func:`evaluate`) and the probe's document. No port rows: a
-    Slurm job's port comes from its job id, so there is none to test before it runs."""
-    from nodeops import slurm
-    from nodeops.render import ssh_config
-    from nodeops.spec import Node
-
-    spec = loaded.spec
-    login = spec.login_node()
-    # what chief_main hands each node, for the login node's plan (the spec's only node)
-    chief_plan = plan(loaded, fast=fast, timeout=timeout)
-    node_plan = dict(chief_plan["nodes"][0]["plan"], mode="node", name="", nonce="", ports=[],
-                     chief_address=login.address if login is not None else "127.0.0.1",
-                     manifest=chief_plan.get("manifest"))  # fmt: skip
-    payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": node_plan})
-    name = f"nodeops-check-{secrets.token_hex(4)}"  # to scancel it by, should this end before srun does
-    opts = " ".join(sh_word(o) for o in [*srun_options(spec), f"--job-name={name}"])
-    script = (
-        f"exec srun --input=all {opts} python3 -c {sh_word(probe.BOOT)} <<'NODEOPS_PAYLOAD'\n"
-        f"{payload}\nNODEOPS_PAYLOAD\n"
-    )
-    with tempfile.TemporaryDirectory(prefix="nodeops-check-") as tmp:
-        cfg = Path(tmp) / "ssh_config"
-        cfg.write_text(ssh_config(loaded))
-        os.chmod(cfg, 0o600)
-        where = slurm.Login(spec.alias(login) if login is not None else None, cfg)
-        try:
-            p = where.run(script, timeout=timeout + 30)
-        except BaseException:  # a timeout or Ctrl-C ends our ssh, not the srun step behind it
-            with contextlib.suppress(Exception):
-                where.run(f'scancel --name={sh_word(name)} --user="$(id -un)"', timeout=30)
-            raise
-    facts = [json.loads(line[len(probe.MARK) :]) for line in p.stdout.splitlines() if line.startswith(probe.MARK)]
-    if not facts:
-        raise CheckError(f"the srun step on {where.where} gave no node's facts (exit {p.returncode}): "
-                         f"{last_line(p.stderr, 'no output')}")  # fmt: skip
-    names = sorted(str(f["hostname"]) for f in facts)
-    per_node = [] if spec.slurm is None or spec.slurm.gpus_per_node is None else list(range(spec.slurm.gpus_per_node))
-    nodes = [Node(address=h, name=h, gpus=per_node, chief=i == 0) for i, h in enumerate(names)]
-    doc: dict[str, Any] = {"chief": {}, "listeners": {},
-           "nodes": {str(f["hostname"]): {"ssh": {"ok": True, "seconds": 0.0}, "facts": f} for f in facts}}  # fmt: skip
-    if spec.slurm is not None and len(facts) < spec.slurm.nodes:
-        doc["missing"] = f"{spec.slurm.nodes} node(s) asked for, {len(facts)} answered: {last_line(p.stderr, '')}"
-    return spec.model_copy(update={"nodes": nodes}), doc
-
-
-def as_srun_rows(report: Report, missing: str = "") -> Report:
-    """The ssh row of each host, said as what it was on Slurm: an srun task on that node."""
-    rows = [Row(r.host, "srun", r.status, "probed in the check's srun step (one task per node)")
-            if r.check == "ssh" else r for r in report.rows]  # fmt: skip
-    if missing:
-        rows.insert(0, Row(report.hosts[0] if report.hosts else "slurm", "srun", FAIL, missing))
-    return Report(rows, report.values, report.hosts)

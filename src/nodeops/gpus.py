@@ -14,10 +14,13 @@ import dataclasses
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from nodeops.errors import NodeopsError, SpecError
+from nodeops.render import ssh_config
 from nodeops.spec import LoadedSpec
+from nodeops.transport import fan_out, last_line, ssh_argv
 
 # 127: no nvidia-smi (no NVIDIA GPU or driver: 1 process); any other failure (a driver that does
 # not answer) is an error to fix, never "no GPU"
@@ -46,7 +49,6 @@ def parse(out: str) -> list[int] | None:
 
 def discover(loaded: LoadedSpec, ssh_config: Path, timeout: float = 60) -> dict[str, list[int]]:
     """Ask every ``gpus: auto`` node, in parallel. Raises naming each host that did not answer."""
-    from nodeops.jobs import fan_out, last_line, ssh_argv
 
     def one(host: str) -> list[int] | str:
         try:
@@ -119,9 +121,6 @@ def resolved(loaded: LoadedSpec, required: bool = True) -> LoadedSpec:
 def setup_discover(loaded: LoadedSpec, only: list[str] | None = None) -> tuple[LoadedSpec, dict[str, list[int]]]:
     """For ``setup``: ask the ``auto`` nodes (those in ``only``, for --limit), merge into the
     record, and return the spec resolved with it, plus what was asked now."""
-    import tempfile
-
-    from nodeops.render import ssh_config
 
     ask = [h for h in auto_nodes(loaded) if only is None or h in only]
     if not ask:

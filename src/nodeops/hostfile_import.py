@@ -9,7 +9,7 @@ import yaml
 
 from nodeops.deepspeed import parse_hostfile_lines
 from nodeops.errors import SpecError, SpecIssue
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 _NODE_FIELD = re.compile(r"^nodes\[(\d+)\]")
 

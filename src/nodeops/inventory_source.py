@@ -25,7 +25,7 @@ import yaml
 
 from nodeops.errors import SpecError, SpecIssue
 from nodeops.render import ssh_args_options
-from nodeops.spec import validate_located
+from nodeops.spec_load import validate_located
 from nodeops.yamlpos import Located, Path_, Pos
 
 NODEOPS_VAR = "nodeops"

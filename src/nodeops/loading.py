@@ -8,7 +8,8 @@ from pathlib import Path
 
 from nodeops import inventory_source
 from nodeops.errors import SpecError, SpecIssue
-from nodeops.spec import LoadedSpec, load_spec_file
+from nodeops.spec import LoadedSpec
+from nodeops.spec_load import load_spec_file
 
 
 def load_spec(path: str | Path, group: str | None = None) -> LoadedSpec:

@@ -7,7 +7,9 @@ name only, and their values travel to the hosts at ``setup``/``launch`` time in 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,7 +198,6 @@ def controller_issues(
     """What this machine lacks for the spec, each at its field's line: an ssh key_file, an rsync
     workdir's source, with ``setup`` what only setup reads (the mesh key, the requirements file,
     the wheelhouse), and with ``environ`` a variable an env entry reads with from_env."""
-    import dataclasses
 
     spec, seen = loaded.spec, set()
     issues: list[SpecIssue] = []
@@ -353,7 +354,6 @@ def ssh_args_options(args: str) -> dict[str, str]:
     that decide how a host is reached: ``-o Key=Value`` / ``-o Key Value`` / ``-oKey=Value``,
     ``-J`` (ProxyJump), ``-i`` (IdentityFile), ``-p`` (Port), ``-l`` (User). Keys are OpenSSH's canonical
     spelling, lowercased; the first of each wins, as in ssh."""
-    import shlex
 
     out: dict[str, str] = {}
     words = shlex.split(args)

@@ -10,6 +10,7 @@ suppressed. The result is a typed summary built from rc, status and per-host sta
 from __future__ import annotations
 
 import contextlib
+import difflib
 import hashlib
 import importlib.util
 import json
@@ -28,6 +29,7 @@ from typing import Any
 
 from nodeops.errors import NodeopsError
 from nodeops.quoting import ansible_yaml
+from nodeops.render import pins_digest, ssh_args_options
 from nodeops.resources import collections_path, data_dir
 
 # Ansible needs roughly this many file descriptors per fork (pipes, ssh control sockets);
@@ -179,7 +181,6 @@ def _first_line(text: str) -> str:
 def connection_identity(host_vars: Iterable[Mapping[str, Any]]) -> str:
     """Digest naming the ssh control dir of a run: users, keys, ssh args and the contents of the
     known_hosts files those args pin (render.pins_digest)."""
-    from nodeops.render import pins_digest, ssh_args_options
 
     ids, pins = set(), set()
     for hv in host_vars:
@@ -347,7 +348,6 @@ def run_playbook(
 
 def unified_diffs(task: str, diff: Any) -> list[str]:
     """Ansible's ``diff`` result (a dict or a list of them) as unified diffs, one per file."""
-    import difflib
 
     out = []
     for d in diff if isinstance(diff, list) else [diff] if isinstance(diff, dict) else []:

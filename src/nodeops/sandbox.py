@@ -31,7 +31,7 @@ from nodeops.errors import NodeopsError, SandboxError
 from nodeops.quoting import sh_word
 from nodeops.render import ssh_config
 from nodeops.resources import data_dir
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 LABEL = "io.nodeops.sandbox"
 USER = "debian"

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeops import jobs
+from nodeops import failures
 from nodeops.errors import NodeopsError
-from nodeops.jobs import ssh_argv
 from nodeops.quoting import sh_path, sh_run_word, sh_word
 from nodeops.render import activation
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec, ResourceSpec
+from nodeops.transport import ssh_argv
 
 COMMENT = "nodeops-run="  # the job's --comment: nodeops-run=RUN_ID
 PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN: below Linux's ephemeral range
@@ -420,34 +420,39 @@ def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tup
     """(host, code) of the node whose failure started it. srun reports each node whose task
     ended badly ("Exited with exit code N", or "Terminated" once --kill-on-bad-exit stopped
     it), but not in causal order: a node whose ranks lost a peer can exit first. The same rule
-    as ssh runs (jobs.root_cause) picks among them: a node whose own rank failed beats one whose
+    as ssh runs (failures.root_cause) picks among them: a node whose own rank failed beats one whose
     ranks report a lost peer, then the earliest."""
-    states: dict[str, jobs.HostState] = {}
+    states: dict[str, failures.HostState] = {}
     for i, line in enumerate(batch_lines):
         m = _SRUN_TASK.match(line)
         if m is None or m.group(1) in states or m.group(2) == "0":
             continue
         code = int(m.group(2)) if m.group(2) else -1
-        st = jobs.HostState(m.group(1), exit_code=code, ended_at=float(i))
+        st = failures.HostState(m.group(1), exit_code=code, ended_at=float(i))
         st.tail.extend((tails or {}).get(m.group(1), []))
         states[st.host] = st
-    cause = jobs.root_cause(list(states.values()))
-    return None if cause is None else (cause.host, jobs.failure_code(cause) or 1)
+    cause = failures.root_cause(list(states.values()))
+    return None if cause is None else (cause.host, failures.failure_code(cause) or 1)
+
+
+def outcome(st: Poll) -> str:
+    """ok, stopped (cancelled) or failed: a finished job's outcome, as a run's verdict says it."""
+    if st.state == "COMPLETED" or (st.forgotten and st.result is not None and st.result.get("exit") == 0):
+        return "ok"
+    return "stopped" if st.state == "CANCELLED" else "failed"
 
 
 def exit_code(st: Poll, batch_lines: Sequence[str] = (), tails: Tails | None = None) -> int:
-    """What `nodeops launch` exits with for a finished job: 0; the first failing task's code
-    (srun's own exit is often 143 from stopping the others); 130 when cancelled."""
-    if st.state == "COMPLETED" or (st.forgotten and st.result is not None and st.result.get("exit") == 0):
-        return 0
-    if st.state == "CANCELLED":
-        return 130
+    """What `nodeops launch` exits with for a finished job (failures.exit_code_for): for a
+    failure, the first failing task's code (srun's own exit is often 143 from stopping the others)."""
+    if outcome(st) != "failed":
+        return failures.exit_code_for(outcome(st)) or 0
     first = first_failure(batch_lines, tails)
     code = first[1] if first else st.result.get("exit") if st.result else None
     if not isinstance(code, int):
         head = st.exit.partition(":")[0]
         code = int(head) if head.isdigit() else 1
-    return code if 0 < code < 256 and code not in (2, 130) else 1
+    return failures.exit_code_for("failed", code) or 1
 
 
 def describe(st: Poll) -> str:

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from nodeops import _launch_plan, _shell, launchers
-from nodeops.jobs import fan_out, last_line, ssh_argv
 from nodeops.launch import protocol as P
 from nodeops.quoting import sh_expand, sh_run_word, sh_word
+from nodeops.render import activation
 from nodeops.resources import data_dir
 from nodeops.spec import LoadedSpec
+from nodeops.transport import fan_out, last_line, ssh_argv
 
 HOME = _shell.HOME_TOKEN
 ROLE = "launch"  # the collection's launch role: its templates/ and files/ are the run files' source
@@ -93,7 +94,6 @@ def run_vars(
     """The run as the launch role takes it (``launch_run``): run id, chief, runner, the
     protocol's markers, the supervisor's run.json, and each host's job.sh inputs (None where the
     host starts nothing itself). Both transports render the run files from this."""
-    from nodeops.render import activation
 
     spec = loaded.spec
     rdir = run_dir(run_id)

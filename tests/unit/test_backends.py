@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pytest
 from typer.testing import CliRunner
 
-from nodeops import backends, jobs
+from nodeops import backends, store
 from nodeops.backends.base import OPTION_OF, Backend, Capabilities, DryRun, LaunchRequest, RunState
 from nodeops.check import Report
 from nodeops.cli import app
@@ -20,7 +20,8 @@ from nodeops.errors import ExitWith, SpecError, UsageError
 from nodeops.lifecycle import control
 from nodeops.lifecycle import launch as launch_flow
 from nodeops.lifecycle import runs as runs_flow
-from nodeops.spec import LoadedSpec, load_spec_text
+from nodeops.spec import LoadedSpec
+from nodeops.spec_load import load_spec_text
 
 from ..conftest import ROOT
 
@@ -75,28 +76,28 @@ class FakeBackend(Backend):
 
     def launch(self, loaded: LoadedSpec, request: LaunchRequest, sink: Any) -> None:
         self.calls.append(("launch", request))
-        run_id = jobs.new_run_id()
-        d = jobs.jobs_dir() / run_id
+        run_id = store.new_run_id()
+        d = store.jobs_dir() / run_id
         d.mkdir(mode=0o700)
-        jobs.Job(run_id=run_id, dir=d, hosts=["node1"], argv=request.argv, runner="torchrun", chief="node1",
+        store.Job(run_id=run_id, dir=d, hosts=["node1"], argv=request.argv, runner="torchrun", chief="node1",
                  started=time.time(), backend="fake").save()  # fmt: skip
         sink.line("node1", "[rank0]:hello")
         if self.exit_code:
             raise ExitWith(self.exit_code, f"==> run {run_id} FAILED")
         sink.out(run_id)
 
-    def status(self, job: jobs.Job, sink: Any) -> None:
+    def status(self, job: store.Job, sink: Any) -> None:
         self.calls.append(("status", job.run_id))
         sink.out(f"node1 exited {self.exit_code}")
 
-    def logs(self, job: jobs.Job, follow: bool, sink: Any) -> None:
+    def logs(self, job: store.Job, follow: bool, sink: Any) -> None:
         self.calls.append(("logs", follow))
         sink.line("node1", "[rank0]:hello")
 
-    def stop(self, job: jobs.Job, sink: Any) -> None:
+    def stop(self, job: store.Job, sink: Any) -> None:
         self.calls.append(("stop", job.run_id))
 
-    def run_state(self, job: jobs.Job) -> RunState:
+    def run_state(self, job: store.Job) -> RunState:
         return RunState("failed" if self.exit_code else "ok", "in memory", self.exit_code, True)
 
 
@@ -164,7 +165,7 @@ def test_status_logs_stop_and_runs_find_the_backend_from_the_record(fake: FakeBa
 
 
 def test_old_records_without_a_backend_are_ssh_runs(tmp_path: Path) -> None:
-    job = jobs.Job(run_id="20261122-101500-ab12", dir=tmp_path, hosts=["h"], argv=[], runner="torchrun")
+    job = store.Job(run_id="20261122-101500-ab12", dir=tmp_path, hosts=["h"], argv=[], runner="torchrun")
     assert backends.for_job(job) is backends.REGISTRY["ssh"]
     assert backends.for_job(dataclasses.replace(job, backend="slurm")) is backends.REGISTRY["slurm"]
 

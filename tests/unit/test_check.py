@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeops import check, probe
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 DATA = Path(__file__).parent / "data"
 SPEC = """

@@ -228,7 +228,7 @@ def test_deepspeed_pdsh_lines_get_the_nodes_host(capsys: pytest.CaptureFixture[s
 
 
 def test_pdsh_exit_report_names_the_failed_node() -> None:
-    from nodeops.jobs import pdsh_failure
+    from nodeops.failures import pdsh_failure
 
     hosts = {"10.0.0.13": "node3"}
     assert pdsh_failure("pdsh@node1: 10.0.0.13: ssh exited with exit code 1", hosts) == ("node3", 1)
@@ -276,14 +276,14 @@ def test_a_bad_or_unknown_run_id_is_usage_exit_2(tmp_path: Path, command: str, r
 
 
 def test_launch_exit_code_is_the_ranks_except_nodeops_own_codes() -> None:
-    from nodeops import jobs
+    from nodeops import failures, ssh_run
 
     def code(rank_code: int) -> int:
-        return jobs.JobResult("r", {}, jobs.HostState("node2", exit_code=rank_code), False, None).exit_code
+        return ssh_run.JobResult("r", {}, failures.HostState("node2", exit_code=rank_code), False, None).exit_code
 
     assert [code(c) for c in (1, 3, 137, 2, 130)] == [1, 3, 137, 1, 1]
-    assert jobs.JobResult("r", {}, None, True, None).exit_code == 130
-    assert jobs.JobResult("r", {}, None, False, None).exit_code == 0
+    assert ssh_run.JobResult("r", {}, None, True, None).exit_code == 130
+    assert ssh_run.JobResult("r", {}, None, False, None).exit_code == 0
 
 
 def spec_with_key(tmp_path: Path, key: Path, name: str = "c1") -> Path:

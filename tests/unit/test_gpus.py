@@ -11,7 +11,7 @@ import pytest
 from nodeops import check, gpus, launchers
 from nodeops.errors import SpecError
 from nodeops.render import hostfile
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 SPEC = """
 name: auto-test

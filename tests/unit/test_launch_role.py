@@ -18,13 +18,13 @@ from typing import Any
 
 import pytest
 
-from nodeops import jobs, launchers, starter
+from nodeops import launchers, starter, store
 from nodeops.backends.ssh import supervised_hosts
 from nodeops.errors import NodeopsError
 from nodeops.quoting import ansible_yaml
 from nodeops.render import ssh_args_options, ssh_target_from_record
 from nodeops.resources import collections_path, data_dir
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 RUN_ID = "20261123-101500-ab12"
 HOSTILE = ["train.py", "{{ lookup('pipe', 'id') }}", "a b", "$(touch /tmp/pwned)", "'\"", "@x", "--lr=1e-3"]
@@ -139,7 +139,7 @@ def test_the_filter_puts_the_chosen_chief_first_and_activates_the_venv() -> None
     job = run["hosts"]["a"]["job"]
     assert job["activate"] == "source \"$HOME\"/'v e'/bin/activate"
     assert job["workdir"] == "@@HOME@@/work" and job["env"]["MASTER_ADDR"] == "b"
-    assert jobs.RUN_ID.match(run["run_id"])
+    assert store.RUN_ID.match(run["run_id"])
 
 
 @pytest.mark.parametrize(("kw", "hostvars", "message"), [
@@ -179,7 +179,7 @@ def test_ssh_args_in_an_inventory_become_the_runs_ssh_config(tmp_path: Path) -> 
     assert t.host_key_checking == "accept-new"
     d = tmp_path / RUN_ID
     d.mkdir()
-    jobs.write_ssh_config(d, {"node1": conn})
+    store.write_ssh_config(d, {"node1": conn})
     g = subprocess.run(["ssh", "-G", "-F", str(d / "ssh_config"), "node1"], capture_output=True, text=True,
                        check=True).stdout  # fmt: skip
     got = dict(line.split(" ", 1) for line in g.splitlines() if " " in line)
@@ -195,7 +195,7 @@ def test_host_key_checking_switched_off_in_the_inventory_pins_on_first_use_inste
     d = tmp_path / RUN_ID
     d.mkdir()
     conn = {"address": "10.1.0.5", "ssh_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null"}
-    jobs.write_ssh_config(d, {"node1": conn})
+    store.write_ssh_config(d, {"node1": conn})
     g = subprocess.run(["ssh", "-G", "-F", str(d / "ssh_config"), "node1"], capture_output=True, text=True,
                        check=True).stdout  # fmt: skip
     got = dict(line.split(" ", 1) for line in g.splitlines() if " " in line)

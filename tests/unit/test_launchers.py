@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeops import launchers, starter
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 SPEC = """
 nodes:
@@ -156,9 +156,9 @@ def test_mpirun_failure_names_the_failing_ranks_own_host_and_lines() -> None:
     """mpirun runs on node1, but rank 2 on node3 failed: name node3 and rank 2's own lines."""
     from collections import deque
 
-    from nodeops import jobs
+    from nodeops import failures
 
-    root = jobs.HostState("node1", exit_code=1)
+    root = failures.HostState("node1", exit_code=1)
     root.tail.extend([
         "[1,2]<stdout>:FAILING on purpose", "[1,0]<stdout>:step 3",
         "--------------------------------------------------------------------------",
@@ -168,8 +168,8 @@ def test_mpirun_failure_names_the_failing_ranks_own_host_and_lines() -> None:
     ])  # fmt: skip
     rank_tails: dict[int, deque[str]] = {}
     for line in root.tail:
-        for rank, text in jobs.mpi_pieces(line)[1]:
+        for rank, text in failures.mpi_pieces(line)[1]:
             rank_tails.setdefault(rank, deque()).append(text)
-    blamed = jobs.blame_mpi_rank(root, rank_tails, ["node1", "node2", "node3"])
+    blamed = failures.blame_mpi_rank(root, rank_tails, ["node1", "node2", "node3"])
     assert (blamed.host, blamed.exit_code, list(blamed.tail)) == ("node3 [rank2]", 1, ["FAILING on purpose"])
-    assert jobs.blame_mpi_rank(root, rank_tails, []) is root  # not an mpirun run: unchanged
+    assert failures.blame_mpi_rank(root, rank_tails, []) is root  # not an mpirun run: unchanged

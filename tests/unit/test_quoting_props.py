@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from nodeops import quoting
 from nodeops.errors import SpecError
 from nodeops.render import controller_path, inventory, ssh_config
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SENTINEL_PIECES = ["$(touch {s})", "`touch {s}`", "; touch {s}", "\ntouch {s}\n", "$((1+1))", "${{HOME:-$(touch {s})}}"]

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import jobs
+from nodeops import failures, slurm, ssh_run, store
 from nodeops.backends import ssh as ssh_backend
 from nodeops.lifecycle import runs as R
 
 
 def run(run_id: str, state: str, started: float) -> R.Run:
-    return R.Run(jobs.Job(run_id=run_id, dir=Path("/nonexistent"), hosts=["h1"], argv=["t.py"], runner="torchrun",
+    return R.Run(store.Job(run_id=run_id, dir=Path("/nonexistent"), hosts=["h1"], argv=["t.py"], runner="torchrun",
                           started=started), state=state, verdict=state in ("ok", "failed", "stopped"))  # fmt: skip
 
 
@@ -59,7 +59,57 @@ def test_choose_never_picks_a_running_or_unknown_run_and_honours_keep_and_age() 
      ({"outcome": "failed", "first_failure": {"host": "n3", "code": None}}, 1)],
 )  # fmt: skip
 def test_exit_code_of_a_verdict_is_what_launch_gives(verdict: dict[str, object], code: int | None) -> None:
-    assert R.exit_code_of(verdict) == code
+    assert store.supervisor_verdict(verdict).exit_code == code
+
+
+def test_one_exit_code_rule_for_every_backend() -> None:
+    """ssh's follower, the supervisor's verdict and Slurm's poll give a failure's code through
+    the same rule: a rank's own code, except 2 and 130 (nodeops' own) and impossible codes."""
+    for raw, want in ((3, 3), (2, 1), (130, 1), (255, 255), (256, 1), (-9, 1), (None, 1)):
+        assert failures.exit_code_for("failed", raw) == want
+        assert (
+            store.supervisor_verdict({"outcome": "failed", "first_failure": {"host": "h", "code": raw}}).exit_code
+            == want
+        )
+        host = failures.HostState("h", exit_code=raw if isinstance(raw, int) else -1)
+        if isinstance(raw, int) and raw > 0:
+            assert ssh_run.JobResult("r", {"h": host}, host, False, None).exit_code == want
+        if isinstance(raw, int) and 0 <= raw < 256:
+            poll = slurm.Poll("FAILED", "", f"{raw}:0", "n1")
+            assert slurm.exit_code(poll) == want
+    assert failures.exit_code_for("ok") == 0 and failures.exit_code_for("stopped") == 130
+    assert slurm.exit_code(slurm.Poll("CANCELLED", "", "0:15", "n1")) == 130
+    assert slurm.exit_code(slurm.Poll("COMPLETED", "", "0:0", "n1")) == 0
+    assert ssh_run.JobResult("r", {}, None, True, None).exit_code == 130
+
+
+def test_records_of_earlier_releases_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Slurm run's record from before the handle (slurm_* fields) and an ssh run's result.json
+    in the old {"supervisor": ...} shape still load; the new shape round-trips."""
+    monkeypatch.setenv("NODEOPS_HOME", str(tmp_path))
+    d = store.jobs_dir() / "20261101-101500-ab12"
+    d.mkdir()
+    (d / "job.json").write_text(json.dumps({
+        "run_id": d.name, "hosts": ["login"], "argv": ["t.py"], "runner": "torchrun", "chief": "login",
+        "backend": "slurm", "slurm_job": "4242", "slurm_login": "login", "slurm_state": "COMPLETED"}))  # fmt: skip
+    job = store.find(d.name)
+    assert job.handle == {"job_id": "4242", "login": "login", "state": "COMPLETED"}
+    job.with_handle(state="FAILED").save()
+    again = store.find(d.name)
+    assert again.handle["state"] == "FAILED" and "slurm_job" not in json.loads((d / "job.json").read_text())
+    supervisor = {"outcome": "failed", "teardown_seconds": 1.5, "first_failure": {"host": "n1", "code": 3, "why": "x"}}
+    (d / "result.json").write_text(
+        json.dumps({"hosts": {"n1": {"exit_code": 3, "lost": ""}}, "supervisor": supervisor})
+    )
+    old = store.read_verdict(d)
+    assert old is not None and (old.outcome, old.exit_code, old.hosts["n1"]["exit_code"]) == ("failed", 3, 3)
+    assert old.detail.startswith("failed: first failure on n1 (x)")
+    old.save(d)
+    assert store.read_verdict(d) == old and json.loads((d / "result.json").read_text())["version"] == 2
+    (d / "result.json").write_text('{"slurm": {"state": "COMPLETED", "exit": "0:0", "result": null}}')
+    assert store.read_verdict(d) is None  # never read back then either: Slurm is asked
+    (d / "result.json").write_text("not json")
+    assert store.read_verdict(d) is None
 
 
 def test_artifact_dirs_running_while_their_nodeops_lives(tmp_path: Path) -> None:

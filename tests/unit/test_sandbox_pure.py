@@ -10,7 +10,7 @@ import pytest
 
 from nodeops import sandbox
 from nodeops.sandbox import SandboxError
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 
 def test_addresses_start_at_11() -> None:

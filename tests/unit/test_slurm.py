@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox_slurm, slurm
+from nodeops import check, sandbox_slurm, slurm
+from nodeops.backends import slurm as slurm_backend
 from nodeops.loading import load_spec
-from nodeops.spec import load_spec_text
+from nodeops.spec_load import load_spec_text
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 HOSTILE = ["train.py", "--name", "it's a $(touch /tmp/pwned) `id`; rm -rf ~", "a\nb", "*", "", "--", "${HOME}"]
@@ -223,28 +224,26 @@ def test_a_requeued_jobs_failure_report_reads_its_last_run_only() -> None:
 
 
 def test_check_srun_step_asks_for_the_jobs_shape() -> None:
-    from nodeops import check
-
-    opts = check.srun_options(load_spec(SPECS / "slurm-full.happy.yaml").spec)
+    opts = slurm_backend.srun_options(load_spec(SPECS / "slurm-full.happy.yaml").spec)
     assert opts[:2] == ["--nodes=16", "--ntasks-per-node=1"]
     for want in ("--partition=gpu", "--account=proj-42", "--qos=high", "--constraint=a100", "--gpus-per-node=8",
                  "--reservation=big-run"):  # fmt: skip
         assert want in opts
     assert not any(o.startswith(("--begin", "--signal", "--exclusive")) for o in opts)
     report = check.Report([check.Row("n1", "ssh", "ok", "x"), check.Row("n1", "torch", "ok", "y")], {}, ["n1"])
-    rows = check.as_srun_rows(report, "3 node(s) asked for, 2 answered").rows
+    rows = slurm_backend.as_srun_rows(report, "3 node(s) asked for, 2 answered").rows
     assert [(r.check, r.status) for r in rows] == [("srun", "fail"), ("srun", "ok"), ("torch", "ok")]
 
 
 def test_runs_reads_a_slurm_runs_state(fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nodeops import jobs
+    from nodeops import store
     from nodeops.lifecycle import runs
 
     monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
-    d = jobs.jobs_dir() / "20261123-010203-abcd"
+    d = store.jobs_dir() / "20261123-010203-abcd"
     d.mkdir(parents=True)
-    jobs.Job(run_id=d.name, dir=d, hosts=["localhost"], argv=["t.py"], runner="torchrun", chief="localhost",
-             backend="slurm", slurm_job="4242").save()  # fmt: skip
+    store.Job(run_id=d.name, dir=d, hosts=["localhost"], argv=["t.py"], runner="torchrun", chief="localhost",
+             backend="slurm", handle={"job_id": "4242"}).save()  # fmt: skip
     [run] = runs.local_runs()
     assert run.state == "unknown"
     runs.refresh([run])
@@ -321,7 +320,7 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_job_and_cancels_it(
 ) -> None:
     from typer.testing import CliRunner
 
-    from nodeops import jobs
+    from nodeops import store
     from nodeops.cli import app
 
     monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
@@ -332,8 +331,8 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_job_and_cancels_it(
     r = CliRunner().invoke(app, ["launch", str(spec), "--", "t.py"])
     assert r.exit_code == 130, r.output
     assert "interrupted while submitting: job 4343 cancelled" in r.output
-    job = jobs.find(None)
-    assert job.slurm_job == "4343" and job.backend == "slurm"
+    job = store.find(None)
+    assert job.handle["job_id"] == "4343" and job.backend == "slurm"
     assert [c[1] for c in calls(fake_slurm) if c[0] == "scancel"][:1] == [["4343"]]
 
 
@@ -380,7 +379,7 @@ def _timing_out_sbatch(run):  # type: ignore[no-untyped-def]
 
 def test_a_forgotten_job_is_never_left_running(fake_slurm: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from nodeops import jobs
+    from nodeops import store
     from nodeops.lifecycle import runs
 
     for tool in ("squeue", "scontrol"):
@@ -388,10 +387,10 @@ def test_a_forgotten_job_is_never_left_running(fake_slurm: Path, tmp_path: Path,
     # a requeued job cannot be forgotten while queued: once forgotten it has ended
     assert slurm.Poll("", "", "", "", result={"exit": 1, "requeued": True}).ended
     monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
-    d = jobs.jobs_dir() / "20261123-010203-abcd"
+    d = store.jobs_dir() / "20261123-010203-abcd"
     d.mkdir(parents=True)
-    jobs.Job(run_id=d.name, dir=d, hosts=["localhost"], argv=["t.py"], runner="torchrun", chief="localhost",
-             backend="slurm", slurm_job="4242", slurm_state="RUNNING").save()  # fmt: skip
+    store.Job(run_id=d.name, dir=d, hosts=["localhost"], argv=["t.py"], runner="torchrun", chief="localhost",
+             backend="slurm", handle={"job_id": "4242", "state": "RUNNING"}).save()  # fmt: skip
     [run] = runs.local_runs()
     runs.refresh([run])
     assert run.state == "gone" and "Slurm has forgotten how" in run.detail

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from nodeops import launchers, starter
 from nodeops.launch import protocol as P
-from nodeops.spec import LoadedSpec, load_spec_text
+from nodeops.spec import LoadedSpec
+from nodeops.spec_load import load_spec_text
 
 SPEC = """
 nodes:

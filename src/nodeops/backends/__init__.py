@@ -12,8 +12,8 @@ from nodeops import render
 from nodeops.backends.base import Backend
 from nodeops.backends.slurm import SlurmBackend
 from nodeops.backends.ssh import SshBackend
-from nodeops.jobs import Job
 from nodeops.spec import LoadedSpec, ResourceSpec
+from nodeops.store import Job
 
 REGISTRY: dict[str, Backend] = {b.name: b for b in (SshBackend(), SlurmBackend())}
 

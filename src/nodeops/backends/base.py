@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:
     from nodeops.check import Report
-    from nodeops.jobs import Job
     from nodeops.spec import LoadedSpec
+    from nodeops.store import Job
 
 
 class Sink(Protocol):
@@ -106,7 +106,6 @@ class RunState:
     detail: str = ""
     exit_code: int | None = None
     verdict: bool = False  # the state is a final verdict (else inferred)
-    supervisor: dict[str, Any] | None = None  # an ssh run's supervisor verdict, to keep as it is
 
 
 class Backend(abc.ABC):
@@ -158,7 +157,3 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def run_state(self, job: Job) -> RunState:
         """The run's state for `nodeops runs`/`clean` (one look; never raises for a host)."""
-
-    def local_verdict(self, job: Job) -> dict[str, Any] | None:
-        """A verdict this machine already keeps for the run (None: ask with run_state)."""
-        return None

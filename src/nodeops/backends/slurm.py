@@ -3,19 +3,24 @@ builds it and speaks sbatch/squeue/scontrol/scancel); status, logs and stop by t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
+import secrets
+import tempfile
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from nodeops import check, jobs, slurm
+from nodeops import check, failures, probe, slurm, store
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import deferred_interrupts, ignoring_interrupts, sigterm_as_interrupt
 from nodeops.quoting import sh_word
 from nodeops.render import ssh_config
-from nodeops.spec import LoadedSpec
+from nodeops.spec import LoadedSpec, Node, ResourceSpec
+from nodeops.transport import last_line
 
 NO_LOG_WARN = 20.0  # seconds RUNNING without a batch log before `follow` says the run dir may not be shared
 
@@ -28,39 +33,50 @@ def login_of(loaded: LoadedSpec, cfg: Path) -> slurm.Login:
     return slurm.Login(loaded.spec.alias(node) if node is not None else None, cfg)
 
 
-def login_for(job: jobs.Job) -> slurm.Login:
-    return slurm.Login(job.slurm_login or None, job.ssh_config)
+def slurm_id(job: store.Job) -> str:
+    """The run's Slurm job id (its record's handle)."""
+    return job.handle.get("job_id", "")
 
 
-def remember(job: jobs.Job, st: slurm.Poll) -> None:
+def last_state_of(job: store.Job) -> str:
+    """The last state Slurm gave for the job, kept in the record (Slurm forgets a job MinJobAge
+    after its end)."""
+    return job.handle.get("state", "")
+
+
+def login_for(job: store.Job) -> slurm.Login:
+    return slurm.Login(job.handle.get("login") or None, job.ssh_config)
+
+
+def remember(job: store.Job, st: slurm.Poll) -> None:
     """Keep the last state Slurm gave (it forgets a job MinJobAge after its end)."""
-    if st.state and st.state != job.slurm_state:
-        dataclasses.replace(job, slurm_state=st.state).save()
+    if st.state and st.state != last_state_of(job):
+        job.with_handle(state=st.state).save()
 
 
-def cancel(job: jobs.Job) -> tuple[slurm.Poll, str]:
+def cancel(job: store.Job) -> tuple[slurm.Poll, str]:
     """scancel; wait KillWait for the job to end; then SIGKILL whatever is left (--full)."""
     login = login_for(job)
-    why = slurm.cancel(login, job.slurm_job)
+    why = slurm.cancel(login, slurm_id(job))
     if why:
-        return slurm.poll(login, job.run_id, job.slurm_job, {}, max_bytes=0), f"scancel failed: {why}"
-    st = slurm.wait_gone(login, job.run_id, job.slurm_job, timeout=slurm.KILL_WAIT_MAX)
+        return slurm.poll(login, job.run_id, slurm_id(job), {}, max_bytes=0), f"scancel failed: {why}"
+    st = slurm.wait_gone(login, job.run_id, slurm_id(job), timeout=slurm.KILL_WAIT_MAX)
     how = "ended after scancel"
     if st.error and not st.state:
         return st, f"not confirmed: {slurm.describe(st)}"
     if st.state not in slurm.TERMINAL and st.state:
-        slurm.cancel(login, job.slurm_job, kill=True)
-        st = slurm.wait_gone(login, job.run_id, job.slurm_job, timeout=30)
+        slurm.cancel(login, slurm_id(job), kill=True)
+        st = slurm.wait_gone(login, job.run_id, slurm_id(job), timeout=30)
         how = "killed (scancel --signal=KILL --full)"
     remember(job, st)
     return st, f"{how}: {slurm.describe(st)}"
 
 
-def follow(job: jobs.Job, sink: Sink, *, cancel_on_interrupt: bool) -> slurm.Poll:
+def follow(job: store.Job, sink: Sink, *, cancel_on_interrupt: bool) -> slurm.Poll:
     """Stream the job's logs until it ends. Ctrl-C: cancel it (attached launch) or only stop
     following (`logs -f`), as the caller says."""
     login = login_for(job)
-    fol = slurm.Follower(login, job.run_id, job.slurm_job, sink.line)
+    fol = slurm.Follower(login, job.run_id, slurm_id(job), sink.line)
     last_state = ""
     running_since: float | None = None
     warned = False
@@ -69,57 +85,71 @@ def follow(job: jobs.Job, sink: Sink, *, cancel_on_interrupt: bool) -> slurm.Pol
         nonlocal last_state, running_since, warned
         if st.state and st.state != last_state:
             last_state = st.state
-            sink.note(f"==> job {job.slurm_job}: {slurm.describe(st)}")
+            sink.note(f"==> job {slurm_id(job)}: {slurm.describe(st)}")
             remember(job, st)
         if st.state == "RUNNING" and slurm.BATCH_LOG not in st.files and not warned:
             running_since = running_since or time.monotonic()
             if time.monotonic() - running_since > NO_LOG_WARN:
                 warned = True
                 sink.note(
-                    f"warning: job {job.slurm_job} has run {NO_LOG_WARN:.0f}s and its batch log is not in "
+                    f"warning: job {slurm_id(job)} has run {NO_LOG_WARN:.0f}s and its batch log is not in "
                     f"~/.nodeops/runs/{job.run_id} on {login.where}: is that dir on a filesystem the nodes share?"
                 )
 
     try:
         st = fol.until_end(on_poll=on_poll)
-        last = last_state or job.slurm_state
+        last = last_state or last_state_of(job)
         if st.forgotten and st.result is None and last in slurm.TERMINAL:
             st.state = last  # Slurm forgot it before we looked again: the last state seen
         return st
     except slurm.SlurmError as e:
-        raise ExitWith(EXIT_FAILURE, f"==> lost track of job {job.slurm_job}: {e}; see `nodeops status "
+        raise ExitWith(EXIT_FAILURE, f"==> lost track of job {slurm_id(job)}: {e}; see `nodeops status "
                        f"{job.run_id}`, `nodeops stop {job.run_id}` cancels it") from None  # fmt: skip
     except KeyboardInterrupt:
         if not cancel_on_interrupt:
-            sink.note(f"==> stopped following; job {job.slurm_job} goes on (nodeops stop {job.run_id} cancels it)")
+            sink.note(f"==> stopped following; job {slurm_id(job)} goes on (nodeops stop {job.run_id} cancels it)")
             raise ExitWith(130) from None
         with ignoring_interrupts():
             _st, how = cancel(job)
-        raise ExitWith(130, f"==> run {job.run_id} interrupted: job {job.slurm_job} cancelled; {how}") from None
+        raise ExitWith(130, f"==> run {job.run_id} interrupted: job {slurm_id(job)} cancelled; {how}") from None
 
 
-def logs_tail(job: jobs.Job) -> dict[str, list[str]]:
+def logs_tail(job: store.Job) -> dict[str, list[str]]:
     """Each host's last lines (the batch log's as ``batch``), read at the end of the job."""
-    st = slurm.poll(login_for(job), job.run_id, job.slurm_job, {}, max_bytes=256 << 10, whole=True, tail=True)
+    st = slurm.poll(login_for(job), job.run_id, slurm_id(job), {}, max_bytes=256 << 10, whole=True, tail=True)
     return {slurm.host_of(name): slurm.last_run(text.splitlines())[-slurm.TAIL_LINES :]
             for name, (_, _, text) in st.files.items()}  # fmt: skip
 
 
-def verdict(job: jobs.Job, st: slurm.Poll, sink: Sink) -> None:
+def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: tuple[str, int] | None = None) -> store.Verdict:
+    """The finished job's verdict, kept in its record (``result.json``, as for an ssh run)."""
+    outcome = slurm.outcome(st)
+    v = store.Verdict(outcome, f"Slurm job {slurm_id(job)}: {slurm.describe(st)}", code,
+                      first_failure=None if first is None else {"host": first[0], "code": first[1],
+                                                                "why": f"exit code {first[1]}"},
+                      raw={"state": st.state, "exit": st.exit, "result": st.result}, backend="slurm")  # fmt: skip
+    v.save(job.dir)
+    return v
+
+
+def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     """Report a finished job like an ssh run: the node whose failure started it and its last lines."""
-    if slurm.exit_code(st) == 0:
-        sink.note(f"==> run {job.run_id} finished: job {job.slurm_job} {slurm.describe(st)}")
+    if slurm.outcome(st) == "ok":
+        keep_verdict(job, st, 0)
+        sink.note(f"==> run {job.run_id} finished: job {slurm_id(job)} {slurm.describe(st)}")
         return
-    if st.state == "CANCELLED":
-        raise ExitWith(130, f"==> run {job.run_id}: job {job.slurm_job} was cancelled")
+    if slurm.outcome(st) == "stopped":
+        keep_verdict(job, st, 130)
+        raise ExitWith(130, f"==> run {job.run_id}: job {slurm_id(job)} was cancelled")
     tails = logs_tail(job)
     batch = tails.pop("batch", [])
     code = slurm.exit_code(st, batch, tails)
+    first = slurm.first_failure(batch, tails)
+    keep_verdict(job, st, code, first)
     sig = (st.result or {}).get("signal")
     if sig:
-        raise ExitWith(code, f"==> run {job.run_id}: job {job.slurm_job} got {sig} before its time limit; it was "
+        raise ExitWith(code, f"==> run {job.run_id}: job {slurm_id(job)} got {sig} before its time limit; it was "
                        f"forwarded to every rank, and torchrun then ended them: {slurm.describe(st)}")  # fmt: skip
-    first = slurm.first_failure(batch, tails)
     if first is None:
         if not batch:
             sink.note(f"    no batch log in ~/.nodeops/runs/{job.run_id} on the login node: the job could not "
@@ -128,13 +158,75 @@ def verdict(job: jobs.Job, st: slurm.Poll, sink: Sink) -> None:
             sink.note(f"    batch | {line}")
         raise ExitWith(code, f"==> run {job.run_id} {slurm.describe(st)}: no task's failure was reported")
     host, rc = first
-    own, summary = jobs.failure_lines(tails.get(host, []))
-    sink.note(f"==> run {job.run_id} FAILED: job {job.slurm_job} {st.state}; first failure on {host} "
+    own, summary = failures.failure_lines(tails.get(host, []))
+    sink.note(f"==> run {job.run_id} FAILED: job {slurm_id(job)} {st.state}; first failure on {host} "
               f"(exit code {rc}); its last lines:")  # fmt: skip
     for line in own or summary:
         sink.note(f"    {host} {line}")
     raise ExitWith(code, f"==> srun stopped every other node's ranks (--kill-on-bad-exit); "
                    f"`nodeops logs {job.run_id}` has it all")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- the preflight: one srun step
+def srun_options(spec: ResourceSpec) -> list[str]:
+    """What the check's srun step asks for: the job's shape (nodes, partition, GPUs...), one
+    task per node, a short time limit."""
+    s = spec.slurm
+    assert s is not None
+    reservation = [f"--reservation={s.sbatch_extra['reservation']}"] if "reservation" in s.sbatch_extra else []
+    return [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--time=10", *slurm.shape_options(spec), *reservation]
+
+
+def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> tuple[ResourceSpec, dict[str, Any]]:
+    """The probe in one srun step on the login node, one task per node Slurm gives; returns a
+    spec listing those nodes (for :func:`evaluate`) and the probe's document. No port rows: a
+    Slurm job's port comes from its job id, so there is none to test before it runs."""
+    spec = loaded.spec
+    login = spec.login_node()
+    # what chief_main hands each node, for the login node's plan (the spec's only node)
+    chief_plan = check.plan(loaded, fast=fast, timeout=timeout)
+    node_plan = dict(chief_plan["nodes"][0]["plan"], mode="node", name="", nonce="", ports=[],
+                     chief_address=login.address if login is not None else "127.0.0.1",
+                     manifest=chief_plan.get("manifest"))  # fmt: skip
+    payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": node_plan})
+    name = f"nodeops-check-{secrets.token_hex(4)}"  # to scancel it by, should this end before srun does
+    opts = " ".join(sh_word(o) for o in [*srun_options(spec), f"--job-name={name}"])
+    script = (
+        f"exec srun --input=all {opts} python3 -c {sh_word(probe.BOOT)} <<'NODEOPS_PAYLOAD'\n"
+        f"{payload}\nNODEOPS_PAYLOAD\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="nodeops-check-") as tmp:
+        cfg = Path(tmp) / "ssh_config"
+        cfg.write_text(ssh_config(loaded))
+        os.chmod(cfg, 0o600)
+        where = slurm.Login(spec.alias(login) if login is not None else None, cfg)
+        try:
+            p = where.run(script, timeout=timeout + 30)
+        except BaseException:  # a timeout or Ctrl-C ends our ssh, not the srun step behind it
+            with contextlib.suppress(Exception):
+                where.run(f'scancel --name={sh_word(name)} --user="$(id -un)"', timeout=30)
+            raise
+    facts = [json.loads(line[len(probe.MARK) :]) for line in p.stdout.splitlines() if line.startswith(probe.MARK)]
+    if not facts:
+        raise check.CheckError(f"the srun step on {where.where} gave no node's facts (exit {p.returncode}): "
+                         f"{last_line(p.stderr, 'no output')}")  # fmt: skip
+    names = sorted(str(f["hostname"]) for f in facts)
+    per_node = [] if spec.slurm is None or spec.slurm.gpus_per_node is None else list(range(spec.slurm.gpus_per_node))
+    nodes = [Node(address=h, name=h, gpus=per_node, chief=i == 0) for i, h in enumerate(names)]
+    doc: dict[str, Any] = {"chief": {}, "listeners": {},
+           "nodes": {str(f["hostname"]): {"ssh": {"ok": True, "seconds": 0.0}, "facts": f} for f in facts}}  # fmt: skip
+    if spec.slurm is not None and len(facts) < spec.slurm.nodes:
+        doc["missing"] = f"{spec.slurm.nodes} node(s) asked for, {len(facts)} answered: {last_line(p.stderr, '')}"
+    return spec.model_copy(update={"nodes": nodes}), doc
+
+
+def as_srun_rows(report: check.Report, missing: str = "") -> check.Report:
+    """The ssh row of each host, said as what it was on Slurm: an srun task on that node."""
+    rows = [check.Row(r.host, "srun", r.status, "probed in the check's srun step (one task per node)")
+            if r.check == "ssh" else r for r in report.rows]  # fmt: skip
+    if missing:
+        rows.insert(0, check.Row(report.hosts[0] if report.hosts else "slurm", "srun", check.FAIL, missing))
+    return check.Report(rows, report.values, report.hosts)
 
 
 class SlurmBackend(Backend):
@@ -164,8 +256,8 @@ class SlurmBackend(Backend):
     def check(self, loaded: LoadedSpec, timeout: float, sink: Sink) -> check.Report:
         s = loaded.spec.slurm
         sink.note(f"==> checking the {s.nodes if s else 0} node(s) Slurm gives, in one srun step")
-        nodes_spec, result = check.run_slurm(loaded, timeout=timeout)
-        return check.as_srun_rows(check.evaluate(nodes_spec, result), result.get("missing", ""))
+        nodes_spec, result = run_slurm(loaded, timeout=timeout)
+        return as_srun_rows(check.evaluate(nodes_spec, result), result.get("missing", ""))
 
     def dry_run(self, loaded: LoadedSpec, request: LaunchRequest) -> DryRun:
         out = DryRun()
@@ -181,8 +273,8 @@ class SlurmBackend(Backend):
         """Submit the batch script; then follow it like `logs -f` (Ctrl-C cancels the job) and exit
         with its code, or (``--detach``) print the run id and return."""
         user_argv = request.argv
-        run_id = jobs.new_run_id()
-        local = jobs.jobs_dir() / run_id
+        run_id = store.new_run_id()
+        local = store.jobs_dir() / run_id
         local.mkdir(mode=0o700)
         (local / "ssh_config").write_text(ssh_config(loaded))
         login = login_of(loaded, local / "ssh_config")
@@ -201,10 +293,10 @@ class SlurmBackend(Backend):
                 job_id = ""
                 why = str(e)
             if job_id:
-                job = jobs.Job(run_id=run_id, dir=local, hosts=[login.host or "localhost"], argv=user_argv,
+                job = store.Job(run_id=run_id, dir=local, hosts=[login.host or "localhost"], argv=user_argv,
                                runner="torchrun", chief=login.host or "localhost",
                                spec=str(request.spec_path.resolve()), started=time.time(), backend="slurm",
-                               slurm_job=job_id, slurm_login=login.host or "")  # fmt: skip
+                               handle={"job_id": job_id, "login": login.host or ""})  # fmt: skip
                 job.save()
         if not job_id:
             raise ExitWith(130 if interrupted else EXIT_FAILURE,
@@ -221,54 +313,52 @@ class SlurmBackend(Backend):
         sink.note("==> following its logs (Ctrl-C cancels the job)")
         with sigterm_as_interrupt():
             st = follow(job, sink, cancel_on_interrupt=True)
-        (local / "result.json").write_text(json.dumps({"slurm": {"state": st.state, "exit": st.exit,
-                                                                 "result": st.result}}))  # fmt: skip
         verdict(job, st, sink)
 
-    def status(self, job: jobs.Job, sink: Sink) -> None:
-        st = slurm.poll(login_for(job), job.run_id, job.slurm_job, {}, max_bytes=0)
+    def status(self, job: store.Job, sink: Sink) -> None:
+        st = slurm.poll(login_for(job), job.run_id, slurm_id(job), {}, max_bytes=0)
         remember(job, st)
-        if st.forgotten and job.slurm_state in slurm.TERMINAL and st.result is None:
-            st.state = job.slurm_state  # Slurm has forgotten it: the last (final) state seen here
-        sink.out(f"job {job.slurm_job:10} {slurm.describe(st)}")
+        if st.forgotten and last_state_of(job) in slurm.TERMINAL and st.result is None:
+            st.state = last_state_of(job)  # Slurm has forgotten it: the last (final) state seen here
+        sink.out(f"job {slurm_id(job):10} {slurm.describe(st)}")
         if st.error or (st.state and st.state not in slurm.LIVE and st.state != "COMPLETED"):
             raise ExitWith(EXIT_FAILURE)
         if not st.state and slurm.exit_code(st) != 0:
             raise ExitWith(EXIT_FAILURE)
 
-    def logs(self, job: jobs.Job, follow_: bool, sink: Sink) -> None:
+    def logs(self, job: store.Job, follow_: bool, sink: Sink) -> None:
         if follow_:
             st = follow(job, sink, cancel_on_interrupt=False)
             verdict(job, st, sink)
             return
-        slurm.Follower(login_for(job), job.run_id, job.slurm_job, sink.line).step(whole=True)
+        slurm.Follower(login_for(job), job.run_id, slurm_id(job), sink.line).step(whole=True)
 
-    def stop(self, job: jobs.Job, sink: Sink) -> None:
+    def stop(self, job: store.Job, sink: Sink) -> None:
         t = time.monotonic()
         st, how = cancel(job)
-        sink.out(f"job {job.slurm_job:10} {slurm.describe(st)}")
+        sink.out(f"job {slurm_id(job):10} {slurm.describe(st)}")
         if st.error or (st.state and st.state not in slurm.TERMINAL):
-            raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: job {job.slurm_job} not confirmed stopped ({how})")
-        sink.note(f"run {job.run_id}: job {job.slurm_job} {how} in {time.monotonic() - t:.1f}s")
+            raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: job {slurm_id(job)} not confirmed stopped ({how})")
+        sink.note(f"run {job.run_id}: job {slurm_id(job)} {how} in {time.monotonic() - t:.1f}s")
 
-    def run_state(self, job: jobs.Job) -> RunState:
+    def run_state(self, job: store.Job) -> RunState:
         """A Slurm run's state from squeue/scontrol on its login node (or the last one seen there)."""
         try:
-            st = slurm.poll(login_for(job), job.run_id, job.slurm_job, {}, max_bytes=0)
+            st = slurm.poll(login_for(job), job.run_id, slurm_id(job), {}, max_bytes=0)
         except slurm.SlurmError as e:
             return RunState("unreachable", str(e))
         if st.error:
-            return RunState("unreachable", f"Slurm job {job.slurm_job}: {st.error}")
+            return RunState("unreachable", f"Slurm job {slurm_id(job)}: {st.error}")
         if st.forgotten and st.result is not None and not st.result.get("requeued"):
             # Slurm forgot it (MinJobAge); the batch script's own result says how it ended
             code = st.result.get("exit")
-            return RunState("ok" if code == 0 else "failed", f"Slurm job {job.slurm_job}: {slurm.describe(st)}",
+            return RunState("ok" if code == 0 else "failed", f"Slurm job {slurm_id(job)}: {slurm.describe(st)}",
                             slurm.exit_code(st), True)  # fmt: skip
-        state = st.state or (job.slurm_state if job.slurm_state in slurm.TERMINAL else "")
+        state = st.state or (last_state_of(job) if last_state_of(job) in slurm.TERMINAL else "")
         if not state:  # forgotten, with neither a final state seen nor a result: it ended, how is lost
-            return RunState("gone", f"Slurm job {job.slurm_job}: ended; Slurm has forgotten how (no result.json)")
+            return RunState("gone", f"Slurm job {slurm_id(job)}: ended; Slurm has forgotten how (no result.json)")
         out = RunState(_RUN_STATES.get(state, "failed"),
-                       f"Slurm job {job.slurm_job}: {slurm.describe(st) if st.state else state}")  # fmt: skip
+                       f"Slurm job {slurm_id(job)}: {slurm.describe(st) if st.state else state}")  # fmt: skip
         if out.state in ("ok", "failed", "stopped"):
             out.exit_code = slurm.exit_code(dataclasses.replace(st, state=state))
             out.verdict = True

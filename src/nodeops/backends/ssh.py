@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from nodeops import _launch_plan, check, jobs, launchers, starter
+from nodeops import _launch_plan, check, failures, launchers, ssh_run, starter, store, transport
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import ignoring_interrupts, sigterm_as_interrupt
@@ -39,7 +38,7 @@ def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None, emit_line:
     pending: dict[int, str] = {}
 
     def emit(host: str, line: str) -> None:
-        head, pieces = jobs.mpi_pieces(line) if rank_hosts else ("", [])
+        head, pieces = failures.mpi_pieces(line) if rank_hosts else ("", [])
         if pieces:
             # Open MPI tags every chunk a rank writes, so one physical line can hold the pieces of
             # several ranks' lines ("[1,1]<stdout>:a[1,0]<stdout>:b"); the newline that ends the
@@ -52,7 +51,7 @@ def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None, emit_line:
                     out = pending.pop(rank)
                     emit_line(rank_hosts[rank] if rank < len(rank_hosts) else host, f"[rank{rank}]:{out}")
             return
-        prefixed = jobs.pdsh_split(line, pdsh_hosts or {})
+        prefixed = failures.pdsh_split(line, pdsh_hosts or {})
         if prefixed is not None:
             emit_line((pdsh_hosts or {})[prefixed[0]], prefixed[1])
             return
@@ -96,7 +95,7 @@ def launch_plan(loaded: LoadedSpec, user_argv: list[str], run_id: str, script: s
     ifname = s.network.socket_ifname if s.network.socket_ifname != "auto" else None
     return launchers.plan(
         s, user_argv, run_id, socket_ifname=ifname, env_names=forwarded_env(s), script=script,
-        shim_path=f"@@HOME@@/{jobs.remote_dir(run_id)}/mpi_shim.sh",
+        shim_path=f"@@HOME@@/{store.remote_dir(run_id)}/mpi_shim.sh",
         hostfile_path=f"@@HOME@@/.nodeops/{loaded.cluster_name}/hostfile",
     )  # fmt: skip
 
@@ -108,7 +107,7 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
     out = DryRun()
     for w in loaded.warnings:
         out.note(str(w))
-    run_id = jobs.new_run_id()
+    run_id = store.new_run_id()
     plan = launch_plan(loaded, user_argv, run_id, script)
     started = [h.host for h in plan if h.argv]
     run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner, s.launch.max_restarts)
@@ -144,8 +143,28 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
                 for k, v in [*spec_env, *((k, str(v)) for k, v in shared.items())]:
                     out.out(f"    {k}={v}")
         shipped = ", ".join(f"{f.name} ({f.mode}, {len(f.content.encode())} B)" for f in files[h.host])
-        out.out(f"  files to ~/{jobs.remote_dir(run_id)}/: {shipped}")
+        out.out(f"  files to ~/{store.remote_dir(run_id)}/: {shipped}")
     return out
+
+
+def keep_verdict(local: Path, res: ssh_run.JobResult) -> store.Verdict:
+    """An attached run's verdict, kept in its record: the exit code the launch gives, the host
+    that started the failure (as the follower judged it) and the supervisor's own result."""
+    rc = res.root_cause
+    if res.interrupted:
+        outcome = "stopped"
+    elif rc is not None:
+        outcome = "failed"
+    else:
+        outcome = str((res.supervisor or {}).get("outcome") or "ok")
+    first = None if rc is None else {"host": rc.host, "code": failures.failure_code(rc),
+                                     "why": rc.lost_reason or f"exit code {failures.failure_code(rc)}"}  # fmt: skip
+    detail = store.describe(res.supervisor) if res.supervisor else f"{outcome} (no result from the chief's supervisor)"
+    v = store.Verdict(outcome, detail, res.exit_code, first_failure=first, teardown_seconds=res.teardown_seconds,
+                      hosts={h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
+                      raw=res.supervisor or {})  # fmt: skip
+    v.save(local)
+    return v
 
 
 def run_job(
@@ -168,12 +187,12 @@ def run_job(
     host). ``extra_files`` go into each job host's run dir (ssh transport only: the launch role
     renders its own files), ``extra_env`` into each job's env (after env.sh); `check --fabric`
     ships its probe so. ``emit`` replaces ``sink.line`` for each log line; ``run_id`` is a
-    fresh one (jobs.new_run_id) chosen by the caller, when its argv must name the run dir."""
+    fresh one (store.new_run_id) chosen by the caller, when its argv must name the run dir."""
     if extra_files and via != "ssh":
         raise ValueError("extra_files need the ssh transport")
     s = loaded.spec
-    run_id = run_id or jobs.new_run_id()
-    local = jobs.jobs_dir() / run_id
+    run_id = run_id or store.new_run_id()
+    local = store.jobs_dir() / run_id
     local.mkdir(mode=0o700)
     (local / "ssh_config").write_text(ssh_config(loaded))
     plan = launch_plan(loaded, user_argv, run_id, script)
@@ -185,11 +204,11 @@ def run_job(
     rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []  # mpirun's tagged lines
     pdsh_hosts = addresses if s.launch.runner == "deepspeed" else {}  # pdsh's address prefixes
     chief = s.alias(s.chief)
-    job = jobs.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
+    job = store.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
                    spec=str(spec_path.resolve()), started=time.time(), rank_hosts=rank_hosts,
                    all_hosts=all_hosts, pdsh_hosts=pdsh_hosts)  # fmt: skip
     # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
-    (local / "starting").write_text(f"{os.getpid()}\n")
+    store.mark_starting(local)
     job.save()
     t0 = time.monotonic()
     try:
@@ -219,15 +238,15 @@ def run_job(
     except KeyboardInterrupt:
         # Every start has returned (the pool waits for them): stop what did start, everywhere.
         with ignoring_interrupts():
-            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+            left = ssh_run.teardown(local / "ssh_config", all_hosts, run_id)
         raise ExitWith(130, f"==> run {run_id} interrupted while starting; {teardown_summary(left)}") from None
     if bad:
         for host, why in bad.items():
             sink.note(f"{host}: {why}")
         with ignoring_interrupts():
-            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+            left = ssh_run.teardown(local / "ssh_config", all_hosts, run_id)
         raise ExitWith(EXIT_FAILURE, f"launch failed on {', '.join(bad)}; {teardown_summary(left)}")
-    (local / "starting").unlink(missing_ok=True)  # the supervisor runs: it has the run's verdict
+    store.clear_starting(local)  # the supervisor runs: it has the run's verdict
     if detach:
         sink.note(f"==> started in {time.monotonic() - t0:.1f}s; detached")
         sink.note(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
@@ -236,25 +255,22 @@ def run_job(
     sink.note(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
     emit = emit or emitter(rank_hosts, pdsh_hosts, sink.line)
     try:
-        res = jobs.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=all_hosts,
+        res = ssh_run.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=all_hosts,
                           addresses=addresses, rank_hosts=rank_hosts, fold_after_failure=True)  # fmt: skip
     except KeyboardInterrupt:  # in the instant before follow() took over Ctrl-C
         with ignoring_interrupts():
-            jobs.request_stop(local / "ssh_config", chief, run_id)
-            left = jobs.teardown(local / "ssh_config", all_hosts, run_id)
+            ssh_run.request_stop(local / "ssh_config", chief, run_id)
+            left = ssh_run.teardown(local / "ssh_config", all_hosts, run_id)
         raise ExitWith(130, f"==> run {run_id} interrupted; {teardown_summary(left)}") from None
-    (local / "result.json").write_text(json.dumps({
-        "hosts": {h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
-        "supervisor": res.supervisor,
-    }))  # fmt: skip
+    keep_verdict(local, res)
     if res.interrupted:
         how = "stopped on request (nodeops stop)" if res.stopped_elsewhere else "interrupted"
         raise ExitWith(res.exit_code, f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}")
     if res.root_cause is not None:
         rc = res.root_cause
-        code = jobs.failure_code(rc)
+        code = failures.failure_code(rc)
         why = f"exit code {code}" if code else rc.lost_reason
-        own, summary = jobs.failure_lines(rc.tail)
+        own, summary = failures.failure_lines(rc.tail)
         sink.note(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); its last lines:")
         for line in own + (summary if verbose or not own else []):
             sink.note(f"    {rc.host} {line}")
@@ -329,39 +345,39 @@ class SshBackend(Backend):
         run_job(loaded, request.spec_path, request.argv, sink, script=request.script, via=request.via,
                 detach=request.detach, verbose=request.verbose)  # fmt: skip
 
-    def status(self, job: jobs.Job, sink: Sink) -> None:
-        states = jobs.host_states(job)
+    def status(self, job: store.Job, sink: Sink) -> None:
+        states = ssh_run.host_states(job)
         for host, state in states.items():
             sink.out(f"{host:12} {state}")
-        verdict = jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
+        verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
         if verdict is not None:
-            sink.note(f"run {job.run_id}: {jobs.describe(verdict)}")
+            sink.note(f"run {job.run_id}: {store.describe(verdict)}")
         bad = [h for h, s in states.items() if not (s.startswith("running") or s in ("exited 0", "idle"))]
         if bad:
             raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: not ok on {', '.join(bad)}")
 
-    def logs(self, job: jobs.Job, follow: bool, sink: Sink) -> None:
+    def logs(self, job: store.Job, follow: bool, sink: Sink) -> None:
         emit = emitter(job.rank_hosts, job.pdsh_hosts, sink.line)
         if follow:
-            res = jobs.follow(job.ssh_config, job.hosts, job.run_id, emit, chief=job.chief, stop_on_interrupt=False,
+            res = ssh_run.follow(job.ssh_config, job.hosts, job.run_id, emit, chief=job.chief, stop_on_interrupt=False,
                               kill_hosts=job.kill_hosts, rank_hosts=job.rank_hosts)  # fmt: skip
             if res.interrupted:
                 sink.note(f"==> stopped following; run {job.run_id} goes on (nodeops stop {job.run_id} stops it)")
             raise ExitWith(res.exit_code)
-        for host, lines in jobs.read_logs(job).items():
+        for host, lines in ssh_run.read_logs(job).items():
             for line in lines:
                 emit(host, line)
 
-    def stop(self, job: jobs.Job, sink: Sink) -> None:
-        ended = jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
+    def stop(self, job: store.Job, sink: Sink) -> None:
+        ended = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
         if ended is not None:
-            sink.note(f"run {job.run_id} had already ended ({jobs.describe(ended)}); confirming nothing is left")
+            sink.note(f"run {job.run_id} had already ended ({store.describe(ended)}); confirming nothing is left")
         # The supervisor stops every host and records the run as stopped; kill on every host then
         # confirms (and does it alone when the chief cannot be reached).
-        elif jobs.request_stop(job.ssh_config, job.chief, job.run_id):
-            jobs.fetch_result(job.ssh_config, job.chief, job.run_id, wait=15)
-        problems = {h: why for h, why in jobs.teardown(job.ssh_config, job.kill_hosts, job.run_id).items() if why}
-        states = jobs.host_states(job)
+        elif ssh_run.request_stop(job.ssh_config, job.chief, job.run_id):
+            ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=15)
+        problems = {h: why for h, why in ssh_run.teardown(job.ssh_config, job.kill_hosts, job.run_id).items() if why}
+        states = ssh_run.host_states(job)
         for host, state in states.items():
             sink.out(f"{host:12} {state}" + (f"  ({problems[host]})" if host in problems else ""))
         left = [h for h, s in states.items() if s.startswith("running")]
@@ -371,36 +387,26 @@ class SshBackend(Backend):
         sink.note(f"run {job.run_id}: nothing of it is left running on {len(states)} host(s)"
                   + ("" if ended is not None else "; stopped"))  # fmt: skip
 
-    def local_verdict(self, job: jobs.Job) -> dict[str, Any] | None:
-        local = job.dir / "result.json"
-        if not local.is_file():
-            return None
-        try:
-            verdict = json.loads(local.read_text()).get("supervisor")
-        except ValueError:
-            return None
-        return verdict or None
-
-    def run_state(self, job: jobs.Job) -> RunState:
-        script = _PROBE.replace("@ID@", sh_word(jobs.check_run_id(job.run_id))).replace(
-            "@DIR@", sh_word(jobs.remote_dir(job.run_id))
+    def run_state(self, job: store.Job) -> RunState:
+        script = _PROBE.replace("@ID@", sh_word(store.check_run_id(job.run_id))).replace(
+            "@DIR@", sh_word(store.remote_dir(job.run_id))
         )
         try:
-            p = subprocess.run(jobs.ssh_argv(job.ssh_config, job.chief, "bash", "-c", sh_word(in_home(script))),
+            p = subprocess.run(transport.ssh_argv(job.ssh_config, job.chief, "bash", "-c", sh_word(in_home(script))),
                                capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
             return RunState("unreachable", f"{job.chief}: ssh timed out")
         if p.returncode != 0:
-            return RunState("unreachable", f"{job.chief}: {jobs.last_line(p.stderr, 'ssh failed')}")
+            return RunState("unreachable", f"{job.chief}: {transport.last_line(p.stderr, 'ssh failed')}")
         head, _, rest = p.stdout.partition("\n")
         if head == "verdict":
             try:
                 verdict = json.loads(rest)
             except ValueError:
                 return RunState("unknown", "the chief's result.json is not JSON")
-            # keep it here: later listings need no ssh
-            (job.dir / "result.json").write_text(json.dumps({"supervisor": verdict}, indent=2))
-            return RunState("unknown", supervisor=verdict)
+            v = store.supervisor_verdict(verdict)
+            v.save(job.dir)  # kept here: later listings need no ssh
+            return RunState(v.outcome, v.detail, v.exit_code, True)
         if head == "gone":
             return RunState("gone", f"no trace of it on {job.chief} (removed, or it never started)")
         if head == "running":

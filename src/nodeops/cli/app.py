@@ -16,6 +16,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from nodeops import __version__
+from nodeops.cli.reports import print_fabric
 from nodeops.errors import EXIT_INTERRUPTED, EXIT_SPEC, ExitWith, NodeopsError, SpecError
 
 
@@ -191,7 +192,6 @@ class ConsoleSink:
         emit_line(host, text)
 
     def report(self, report: Any) -> None:
-        from nodeops.cli.reports import print_fabric
 
         print_fabric(report, stderr=True)
 

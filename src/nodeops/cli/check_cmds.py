@@ -10,6 +10,10 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from nodeops.cli.app import CONTEXT, ConsoleSink, GroupOpt, SpecArg, app, err, errors
+from nodeops.cli.reports import print_fabric
+from nodeops.errors import NodeopsError, SpecError
+from nodeops.lifecycle.check import check as do_check
+from nodeops.lifecycle.check import measure_fabric
 
 if TYPE_CHECKING:
     from nodeops.check import Report
@@ -58,7 +62,6 @@ def print_report(report: Report, title: str) -> None:
 def json_errors(enabled: bool) -> Iterator[None]:
     """With --json, an error before the report is a JSON document on stdout too (then the usual
     message on stderr and exit code)."""
-    from nodeops.errors import NodeopsError, SpecError
 
     try:
         yield
@@ -118,9 +121,6 @@ def check(
     network.fabric.max_pair_spread (0.7) of a healthy node's, or any figure below
     network.fabric.min_busbw_gbps, fails the check and is named, slowest first.
     """
-    from nodeops.cli.reports import print_fabric
-    from nodeops.lifecycle.check import check as do_check
-    from nodeops.lifecycle.check import measure_fabric
 
     sink = ConsoleSink()
     with errors(), json_errors(as_json):

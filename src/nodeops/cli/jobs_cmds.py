@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated
 
@@ -9,6 +10,9 @@ import typer
 
 from nodeops.cli.app import ConsoleSink, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE
+from nodeops.lifecycle import control
+from nodeops.lifecycle import runs as R
+from nodeops.runner import runs_dir
 
 RunArg = Annotated[
     str | None, typer.Argument(help="Run id printed by `nodeops launch` (default: the latest run).", show_default=False)
@@ -22,7 +26,6 @@ def status(run_id: RunArg = None) -> None:
     Exit 0 while every host is running or exited 0; 1 when any host failed, was killed or
     cannot be reached.
     """
-    from nodeops.lifecycle import control
 
     with errors():
         control.status(run_id, ConsoleSink())
@@ -34,7 +37,6 @@ def logs(
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep streaming until the job ends.")] = False,
 ) -> None:
     """Print every host's log, each line prefixed with host and rank; `-f` streams until the end."""
-    from nodeops.lifecycle import control
 
     with errors():
         control.logs(run_id, follow, ConsoleSink())
@@ -43,7 +45,6 @@ def logs(
 @app.command(epilog="Example:\n\n    nodeops stop 20261122-101500-ab12")
 def stop(run_id: RunArg = None) -> None:
     """Stop every rank of a run on every host (SIGTERM to its process group, then SIGKILL)."""
-    from nodeops.lifecycle import control
 
     with errors():
         control.stop(run_id, ConsoleSink())
@@ -70,9 +71,6 @@ def runs(
     for the others one ssh to each run's chief says whether it still runs. `gone`: the chief has
     no trace of it; `unreachable`: its chief did not answer.
     """
-    import json
-
-    from nodeops.lifecycle import runs as R
 
     with errors():
         found = R.local_runs()
@@ -126,8 +124,6 @@ def clean(
     run dir is removed only when no process of that run is alive there. A run whose dirs could
     not all be removed keeps its record here, so a later clean retries it.
     """
-    from nodeops.lifecycle import runs as R
-    from nodeops.runner import runs_dir
 
     with errors():
         if older_than is None and keep is None and not all_:

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import enum
+import shlex
 from typing import Annotated, Any
 
 import typer
 from typer.core import TyperCommand
 
+from nodeops import gpus
+from nodeops.backends.base import LaunchRequest
 from nodeops.cli.app import CONTEXT, ConsoleSink, GroupOpt, SpecArg, app, errors, fail
 from nodeops.errors import EXIT_SPEC
+from nodeops.launchers import runner_prefix as prefix
+from nodeops.lifecycle.launch import launch as do_launch
+from nodeops.loading import load_spec
 
 
 class Via(enum.StrEnum):
@@ -127,8 +133,6 @@ def launch(
     host is named with its last lines. Ctrl-C stops everything and exits 130. Options before
     the script are nodeops'; the script and every argument after it reach the script literally.
     """
-    from nodeops.backends.base import LaunchRequest
-    from nodeops.lifecycle.launch import launch as do_launch
 
     user_argv = list(ctx.args)
     if user_argv[:1] == ["--"]:
@@ -151,11 +155,6 @@ def runner_prefix(
 
     Append your script: `$(nodeops runner-prefix c.yaml --host node2) train.py --lr 1e-3`.
     """
-    import shlex
-
-    from nodeops import gpus
-    from nodeops.launchers import runner_prefix as prefix
-    from nodeops.loading import load_spec
 
     with errors():
         s = gpus.resolved(load_spec(spec, group)).spec

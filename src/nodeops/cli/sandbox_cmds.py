@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 
+from nodeops import sandbox
 from nodeops.cli.app import CONTEXT, app, err, errors
 
 sandbox_app = typer.Typer(
@@ -67,7 +68,6 @@ def up(
     re-verifies the same sandbox. If it fails half-way, what it created is removed.
     The node image is built once (from Debian's packages when no registry answers) and cached.
     """
-    from nodeops import sandbox
 
     with errors():
         t = time.monotonic()
@@ -85,8 +85,6 @@ def status(name: NameOpt = "nodeops") -> None:
     """Show the sandbox's nodes, their addresses and state. Exit 1 if it does not exist."""
     from rich.console import Console
     from rich.table import Table
-
-    from nodeops import sandbox
 
     with errors():
         sb = sandbox.get(name)
@@ -113,7 +111,6 @@ def down(name: NameOpt = "nodeops") -> None:
     Nothing else is touched: other containers, networks and images stay. The cached node
     image is kept, so the next `up` is fast.
     """
-    from nodeops import sandbox
 
     with errors():
         removed = sandbox.down(name)

@@ -8,8 +8,12 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nodeops import backends, gpus
 from nodeops.cli.app import GroupOpt, SpecArg, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
+from nodeops.loading import load_spec
+from nodeops.render import inventory, require_controller_files, resolve_secrets
+from nodeops.runner import run_playbook
 
 if TYPE_CHECKING:
     from nodeops.runner import HostResult, RunResult
@@ -124,11 +128,6 @@ def setup(
     """
     from rich.console import Console
     from rich.live import Live
-
-    from nodeops import backends, gpus
-    from nodeops.loading import load_spec
-    from nodeops.render import inventory, require_controller_files, resolve_secrets
-    from nodeops.runner import run_playbook
 
     with errors():
         loaded = load_spec(spec, group)

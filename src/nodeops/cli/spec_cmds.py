@@ -10,8 +10,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nodeops import backends, gpus, inventory_source
+from nodeops.backends import render_files as do_render
 from nodeops.cli.app import GroupOpt, SpecArg, app, err, errors, fail, make_dir, read_text_file, write_file
-from nodeops.errors import EXIT_SPEC
+from nodeops.errors import EXIT_SPEC, SpecError
+from nodeops.hostfile_import import spec_from_hostfile
+from nodeops.loading import load_spec
+from nodeops.render import controller_issues
+from nodeops.spec import json_schema
 
 if TYPE_CHECKING:
     from nodeops.spec import LoadedSpec
@@ -34,10 +40,6 @@ def validate(
 
     Exit 0 when valid (warnings may still be printed), 2 when not. Nothing is run anywhere.
     """
-    from nodeops import backends
-    from nodeops.errors import SpecError
-    from nodeops.loading import load_spec
-    from nodeops.render import controller_issues
 
     if as_json:
         try:
@@ -80,9 +82,6 @@ def render(
     Output is deterministic. Only these files in OUT are written; nothing else is touched,
     and no host is contacted. Secret env values are never written.
     """
-    from nodeops import gpus
-    from nodeops.backends import render_files as do_render
-    from nodeops.loading import load_spec
 
     with errors():
         loaded = gpus.resolved(load_spec(spec, group), required=False)  # gpus: auto, as the last setup found them
@@ -107,7 +106,6 @@ def schema(
     With the YAML language server, add `# yaml-language-server: $schema=nodeops.schema.json`
     at the top of a spec.
     """
-    from nodeops.spec import json_schema
 
     text = json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
     if out is None:
@@ -137,7 +135,6 @@ def import_hostfile(
     Parsing follows DeepSpeed's own rules (comments, CRLF, `slots=` after the host); GPUs are
     numbered 0..slots-1 on each host. Hosts with `slots=0` run nothing and are left out.
     """
-    from nodeops.hostfile_import import spec_from_hostfile
 
     with errors():
         if out is not None and out.exists() and not force:
@@ -176,7 +173,6 @@ def import_inventory(
     Read by Ansible's own inventory code (group_vars/ and host_vars/ beside it included); the
     mapping is the README's table. Nothing is contacted except what a dynamic inventory queries.
     """
-    from nodeops import inventory_source
 
     with errors():
         if out is not None and out.exists() and not force:

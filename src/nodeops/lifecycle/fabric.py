@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from nodeops import fabric, jobs
+from nodeops import fabric, store
 from nodeops.backends.base import Sink
 from nodeops.backends.ssh import run_job
 from nodeops.errors import EXIT_FAILURE, ExitWith, NodeopsError
@@ -27,13 +27,13 @@ def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, sink: Sink, 
     launch = s.launch.model_copy(update={"runner": "torchrun", "max_restarts": 0})
     as_torchrun = dataclasses.replace(loaded, spec=s.model_copy(update={"launch": launch}))
     names = [s.alias(n) for n in s.ranked_nodes()]
-    run_id = jobs.new_run_id()
+    run_id = store.new_run_id()
     thresholds = s.network.fabric
     undiscovered = [s.alias(n) for n in s.nodes if n.gpus == "auto"]
     if undiscovered:
         raise FabricError(f"gpus: auto is not discovered yet on {', '.join(undiscovered)}: run `nodeops setup` first")
     which = fabric.backend([len(n.gpus) if isinstance(n.gpus, list) else 0 for n in s.ranked_nodes()])
-    script = f"@@HOME@@/{jobs.remote_dir(run_id)}/fabric.py"
+    script = f"@@HOME@@/{store.remote_dir(run_id)}/fabric.py"
     argv = fabric.probe_argv(names, seconds, thresholds.max_pair_spread, script, which)
     probe = (Path(fabric.__file__).parent / "fabric_probe.py").read_text()
     collector = fabric.Collector(lambda host, line: sink.note(f"{host} {line}"), verbose)

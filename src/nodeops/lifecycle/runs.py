@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeops import backends, jobs
+from nodeops import backends, store
 from nodeops.backends.ssh import ALIVE, in_home
 from nodeops.errors import UsageError
 from nodeops.launch import protocol as P
 from nodeops.quoting import sh_word
+from nodeops.transport import fan_out, last_line, ssh_argv
 
 FINISHED = ("ok", "failed", "stopped", "gone")  # what clean may remove
 INFERRED_MIN_AGE = 600.0  # a run without a verdict (gone, or failed while starting) is this old before clean takes it
@@ -45,7 +46,7 @@ def parse_duration(text: str) -> float:
 class Run:
     """One launch run as the controller knows it."""
 
-    job: jobs.Job
+    job: store.Job
     state: str = "unknown"  # running | ok | failed | stopped | gone | unreachable | unknown
     detail: str = ""  # the verdict in words, or why the state is not known
     exit_code: int | None = None
@@ -59,32 +60,15 @@ class Run:
                 "argv": j.argv}  # fmt: skip
 
 
-def exit_code_of(verdict: dict[str, Any]) -> int | None:
-    """The exit code `nodeops launch` gives (or would have given) for this verdict."""
-    outcome = verdict.get("outcome")
-    if outcome == "ok":
-        return 0
-    if outcome == "stopped":
-        return 130
-    first = verdict.get("first_failure") or {}
-    code = first.get("code")
-    if outcome != "failed":
-        return None
-    return code if isinstance(code, int) and 0 < code < 256 and code not in (2, 130) else 1
-
-
-def apply_verdict(run: Run, verdict: dict[str, Any]) -> None:
+def apply_verdict(run: Run, verdict: store.Verdict) -> None:
     run.verdict = True
-    run.state = str(verdict.get("outcome", "unknown"))
-    run.detail = jobs.describe(verdict)
-    run.exit_code = exit_code_of(verdict)
+    run.state = verdict.outcome
+    run.detail = verdict.detail
+    run.exit_code = verdict.exit_code
 
 
 def _size(d: Path) -> int:
     return sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
-
-
-STARTING = "starting"  # in a run's record while `nodeops launch` starts it: the launch's pid
 
 
 def _pid_alive(pid_file: Path) -> bool:
@@ -101,20 +85,20 @@ def local_runs() -> list[Run]:
     """Every launch run recorded here, newest first (the run id starts with its time). A dir
     whose job.json is unreadable, or names another run, is not a run record and is left alone."""
     out = []
-    for d in sorted((p for p in jobs.jobs_dir().iterdir() if jobs.RUN_ID.match(p.name)), reverse=True):
+    for d in sorted((p for p in store.jobs_dir().iterdir() if store.RUN_ID.match(p.name)), reverse=True):
         try:
-            job = jobs.find(d.name)
+            job = store.find(d.name)
             if job.run_id != d.name or not job.kill_hosts or not job.chief:
                 continue
         except Exception:  # any damaged record is skipped, never fatal to the listing
             continue
         run = Run(job, size=_size(d))
-        if (d / STARTING).exists() and _pid_alive(d / STARTING):
+        if (d / store.STARTING).exists() and _pid_alive(d / store.STARTING):
             run.state, run.detail = "starting", "nodeops launch is starting it"
             out.append(run)
             continue
-        verdict = backends.for_job(job).local_verdict(job)
-        if verdict:
+        verdict = store.read_verdict(d)
+        if verdict is not None:
             apply_verdict(run, verdict)
         out.append(run)
     return out
@@ -126,16 +110,13 @@ def refresh(runs: Sequence[Run]) -> None:
 
     def one(run: Run) -> None:
         st = backends.for_job(run.job).run_state(run.job)
-        if st.supervisor is not None:
-            apply_verdict(run, st.supervisor)
-            return
         run.state, run.detail = st.state, st.detail
         if st.exit_code is not None:
             run.exit_code = st.exit_code
         run.verdict = st.verdict
 
     by_id = {r.job.run_id: r for r in todo}
-    jobs.fan_out(list(by_id), lambda rid: one(by_id[rid]), width=64)
+    fan_out(list(by_id), lambda rid: one(by_id[rid]), width=64)
 
 
 def choose(
@@ -211,18 +192,18 @@ def remove(runs: Sequence[Run], forget_unreachable: bool = False) -> Removal:
         host = key[0]
         cfg, ids = groups[key]
         script = in_home(_REMOVE.replace("@RUNS@", P.RUNS_DIR))
-        argv = jobs.ssh_argv(cfg, host, "bash", "-c", sh_word(script), "nodeops-clean",
-                             *(sh_word(jobs.check_run_id(i)) for i in ids))  # fmt: skip
+        argv = ssh_argv(cfg, host, "bash", "-c", sh_word(script), "nodeops-clean",
+                             *(sh_word(store.check_run_id(i)) for i in ids))  # fmt: skip
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
             said = {ln.split()[1]: ln for ln in p.stdout.splitlines() if len(ln.split()) >= 2}
-            why = "" if p.returncode == 0 else f"unreachable: {jobs.last_line(p.stderr, f'ssh exited {p.returncode}')}"
+            why = "" if p.returncode == 0 else "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
         except subprocess.TimeoutExpired:
             said, why = {}, "unreachable: ssh timed out"
         for i in ids:
             replies.setdefault(i, {})[host] = said.get(i, why or "no answer")
 
-    jobs.fan_out(list(groups), one, width=64)
+    fan_out(list(groups), one, width=64)
     for r in runs:
         bad = [f"{h}: {reply}" for h, reply in replies.get(r.job.run_id, {}).items()
                if not reply.startswith(("removed ", "gone "))]  # fmt: skip

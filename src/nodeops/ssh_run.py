@@ -1,0 +1,302 @@
+"""An ssh run seen from the controller: following every host's log, each host's state, the
+teardown, and the chief supervisor's verdict.
+
+Each host of a run has ``~/.nodeops/runs/<run id>/`` with ``job.sh``, ``pgid``, ``host.log``,
+``exit_code`` (when the job ended), ``follow.sh`` and ``kill.sh`` (written by the launch
+playbook). The controller streams every host's log through ``follow.sh`` over ssh, and when
+one host fails (or on Ctrl-C/SIGTERM) runs ``kill.sh`` on every host at once.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nodeops.failures import (
+    TAIL_LINES,
+    TEARDOWN_LINE,
+    HostState,
+    blame_mpi_rank,
+    blame_peers,
+    exit_code_for,
+    failure_code,
+    mpi_pieces,
+    pdsh_split,
+    root_cause,
+)
+from nodeops.interrupts import ignoring_interrupts
+from nodeops.launch import protocol as P
+from nodeops.quoting import sh_word
+from nodeops.store import Job, remote_dir
+from nodeops.transport import fan_out, last_line, ssh_argv
+
+
+@dataclass
+class JobResult:
+    run_id: str
+    hosts: dict[str, HostState]
+    root_cause: HostState | None
+    interrupted: bool
+    teardown_seconds: float | None
+    teardown_problems: dict[str, str] = field(default_factory=dict)  # host -> why it may not be clean
+    supervisor: dict[str, Any] | None = None  # the chief supervisor's result.json
+    stopped_elsewhere: bool = False  # stopped by a request from elsewhere (nodeops stop), not our Ctrl-C
+    folded: dict[str, int] = field(default_factory=dict)  # host -> lines kept out of the live stream
+
+    @property
+    def exit_code(self) -> int:
+        """0; 130 interrupted; else the failing rank's own code, except the codes nodeops keeps
+        for itself (2: bad usage, nothing was run; 130: interrupted), which become 1."""
+        if self.interrupted:
+            return 130
+        if self.root_cause is not None:
+            return exit_code_for("failed", failure_code(self.root_cause)) or 1
+        return 0
+
+    def __post_init__(self) -> None:
+        self.teardown_problems = {h: why for h, why in self.teardown_problems.items() if why}
+
+
+def host_states(job: Job) -> dict[str, str]:
+    """Each host's state: running, exited CODE, killed, idle (no job here and none of the run's
+    processes), or unreachable (with ssh's reason)."""
+
+    def one(host: str) -> str:
+        try:
+            d = sh_word(remote_dir(job.run_id))
+            p = subprocess.run(ssh_argv(job.ssh_config, host, f"test -d {d} || {{ echo missing; exit 0; }}; "
+                                        f"exec bash {d}/status.sh"),
+                               capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return "unreachable: ssh timed out"
+        if p.returncode != 0:
+            return "unreachable: " + last_line(p.stderr, "ssh failed")
+        return p.stdout.strip()
+
+    return fan_out(job.kill_hosts, one)  # every host of the run: mpirun/deepspeed ranks run where no job.sh is
+
+
+def read_logs(job: Job) -> dict[str, list[str]]:
+    def one(host: str) -> list[str]:
+        p = subprocess.run(ssh_argv(job.ssh_config, host, "cat", sh_word(f"{remote_dir(job.run_id)}/host.log")),
+                           capture_output=True, text=True, timeout=60, check=False, errors="replace")  # fmt: skip
+        return p.stdout.splitlines()
+
+    return fan_out(job.hosts, one)
+
+
+def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, str]:
+    """Run kill.sh on every host in parallel (SIGTERM the group, then SIGKILL what is left).
+
+    Returns host -> "" when kill.sh confirmed that nothing of the run is left there, else why
+    not (unreachable, with ssh's reason; or how many processes survived)."""
+    # A host that never got the run's files has nothing of it to stop.
+    d = sh_word(remote_dir(run_id))
+    script = f"test -d {d} || {{ echo {P.STOPPED}; exit 0; }}; exec bash {d}/kill.sh"
+
+    def kill(host: str) -> str:
+        try:
+            p = subprocess.run(ssh_argv(ssh_config, host, script), capture_output=True, text=True,
+                               timeout=30, check=False, start_new_session=True)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return "unreachable: kill.sh did not answer within 30s"
+        if P.STOPPED in p.stdout:
+            return ""
+        left = re.search(re.escape(P.LEFT) + r"(\d+)", p.stdout)
+        if left:
+            return f"{left.group(1)} process(es) of the run survived SIGKILL"
+        return "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
+
+    return fan_out(hosts, kill)
+
+
+def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
+    """Ask the chief's supervisor to stop the run (it stops every host and writes its result)."""
+    try:
+        p = subprocess.run(ssh_argv(ssh_config, chief, "touch", sh_word(f"{remote_dir(run_id)}/{P.STOP_REQUEST}")),
+                           capture_output=True, timeout=20, check=False, start_new_session=True)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    return p.returncode == 0
+
+
+def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESULT_WAIT) -> dict[str, Any] | None:
+    """The supervisor's result.json from the chief, waiting up to ``wait`` seconds for it."""
+    deadline = time.monotonic() + wait
+    f = sh_word(f"{remote_dir(run_id)}/{P.RESULT}")
+    script = f"for _ in $(seq 0 {int(wait * 5)}); do [ -e {f} ] && exec cat {f}; sleep 0.2; done"
+    while True:
+        try:
+            p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True,
+                               timeout=wait + 15, check=False, start_new_session=True)  # fmt: skip
+            if p.returncode == 0 and p.stdout.strip():
+                return dict(json.loads(p.stdout))
+        except (subprocess.TimeoutExpired, ValueError):
+            pass
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.5)
+
+
+def follow(
+    ssh_config: Path,
+    hosts: Sequence[str],
+    run_id: str,
+    emit: Callable[[str, str], None],
+    *,
+    chief: str,
+    stop_on_interrupt: bool = True,
+    kill_hosts: Sequence[str] = (),
+    addresses: dict[str, str] | None = None,
+    rank_hosts: Sequence[str] = (),
+    fold_after_failure: bool = False,
+) -> JobResult:
+    """Stream every host's log until all jobs end, then read the supervisor's verdict.
+
+    This only reads: fail-fast is the chief's supervisor's decision, for attached and detached
+    runs alike. On Ctrl-C or SIGTERM with ``stop_on_interrupt`` (``nodeops launch``), it asks
+    the supervisor to stop the run and waits for every host to end; only when the chief cannot
+    be reached (or nothing ends within 20 s) does it run kill on every host itself. Without it
+    (``nodeops logs -f``) Ctrl-C only stops reading. ``addresses``: address -> host, to name the
+    host in pdsh's lines (DeepSpeed's runner); ``rank_hosts``: mpirun's rank -> host.
+    ``fold_after_failure`` (an attached launch): a host's lines are held back once its torchrun
+    says it got a death signal (the supervisor's teardown: a SignalException traceback follows),
+    and every other host's once a host's job has failed. A held host whose own job then fails
+    gets its lines emitted at that moment; the rest stay in the logs and the tails and are
+    counted in ``folded``, so the failure report is not buried under them.
+    """
+    states = {h: HostState(h) for h in hosts}
+    kill_hosts = list(kill_hosts) or list(hosts)
+    remote_tails: dict[str, deque[str]] = {}  # pdsh: each node's own lines, by address
+    rank_tails: dict[int, deque[str]] = {}  # mpirun: each rank's own lines
+    events: queue.Queue[tuple[str, str | None]] = queue.Queue()
+    procs: dict[str, subprocess.Popen[str]] = {}
+    script = sh_word(f"{remote_dir(run_id)}/follow.sh")
+
+    def reader(host: str) -> None:
+        # Its own session: a Ctrl-C in the terminal reaches nodeops, which decides; not the ssh.
+        p = subprocess.Popen(ssh_argv(ssh_config, host, "bash", script), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)  # fmt: skip
+        procs[host] = p
+        assert p.stdout is not None and p.stderr is not None
+        for line in p.stdout:
+            events.put((host, line.rstrip("\n")))
+        rc = p.wait()
+        err = p.stderr.read().strip().splitlines()
+        if rc != 0:
+            events.put((host, f"@@nodeops-lost ssh exited {rc}: {err[-1] if err else ''}"))
+        events.put((host, None))
+
+    for h in hosts:
+        threading.Thread(target=reader, args=(h,), daemon=True).start()
+    interrupted = False
+    teardown_result: dict[str, str] = {}
+    done: set[str] = set()
+    failed: list[str] = []  # hosts whose job failed, in the order it was seen
+    held: dict[str, list[str]] = {}  # fold_after_failure: lines held back after the first failure
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(_sig: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def pump(until: float | None = None) -> None:
+        while len(done) < len(hosts) and (until is None or time.monotonic() < until):
+            try:
+                host, line = events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            st = states[host]
+            if line is None:
+                done.add(host)
+                if st.exit_code is None:
+                    st.exit_code, st.ended_at = -1, time.monotonic()
+                    st.lost_reason = st.lost_reason or "connection to the host was lost"
+            elif line.startswith("@@nodeops-lost "):
+                st.lost_reason = line.removeprefix("@@nodeops-lost ")
+            elif line.startswith(P.EXIT_MARK):
+                value = line.removeprefix(P.EXIT_MARK).strip()
+                st.exit_code = int(value) if value.lstrip("-").isdigit() else -1
+                st.ended_at = time.monotonic()
+                if st.exit_code == -1:
+                    st.stopped = value == "killed"
+                    st.lost_reason = "the job was stopped" if st.stopped else f"the job {value}"
+                if st.exit_code != 0 and not st.stopped:
+                    failed.append(host)
+                    for own in held.pop(host, []):  # its own failure's lines: shown after all
+                        emit(host, own)
+            else:
+                st.tail.append(line)
+                if fold_after_failure and host not in failed and (host in held or failed or TEARDOWN_LINE.search(line)):
+                    held.setdefault(host, []).append(line)
+                else:
+                    emit(host, line)
+                prefixed = pdsh_split(line, addresses or {})
+                if prefixed is not None:
+                    remote_tails.setdefault(prefixed[0], deque(maxlen=TAIL_LINES)).append(prefixed[1])
+                for rank, text in mpi_pieces(line)[1] if rank_hosts else ():
+                    rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        pump()
+    except KeyboardInterrupt:
+        interrupted = True
+        if stop_on_interrupt:
+            # The supervisor stops every host (its guards' connections are already open); then
+            # kill on every host confirms that nothing is left, and does the job itself when the
+            # chief could not be asked or nothing ended within 20 s.
+            # A second Ctrl-C must not cut the teardown short: ignore SIGINT/SIGTERM meanwhile.
+            with ignoring_interrupts():
+                asked = request_stop(ssh_config, chief, run_id)
+                pump(until=time.monotonic() + (20 if asked else 0))
+                teardown_result = teardown(ssh_config, kill_hosts, run_id)
+        for p in procs.values():
+            p.terminate()
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
+    result = None if (interrupted and not stop_on_interrupt) else fetch_result(ssh_config, chief, run_id)
+    root: HostState | None = None
+    stopped = (result or {}).get("outcome") == "stopped"
+    if not interrupted and not stopped:
+        blame_peers(states, remote_tails, addresses or {})
+        first = (result or {}).get("first_failure")
+        root = root_cause(list(states.values()), named=first["host"] if first else "")
+        root = blame_mpi_rank(root, rank_tails, rank_hosts) if root is not None else None
+        if root is None and first:  # the supervisor saw what the logs did not (a lost host, say)
+            root = states.setdefault(first["host"], HostState(first["host"]))
+            root.exit_code = first.get("code") or -1
+            root.lost_reason = root.lost_reason or first.get("why", "")
+    teardown_s = (result or {}).get("teardown_seconds")
+    if result is not None and not teardown_result:
+        teardown_result = {h: ("" if v.get("left") in (0, None) and v.get("ended") != "lost"
+                               else f"{v.get('ended')}: {v.get('lost') or 'not confirmed'}")
+                           for h, v in result.get("hosts", {}).items()}  # fmt: skip
+    elif result is None and not (interrupted and not stop_on_interrupt):
+        teardown_result = {"supervisor": "no result from the chief's supervisor"}
+    return JobResult(
+        run_id,
+        states,
+        root,
+        interrupted or stopped,
+        teardown_s,
+        teardown_result,
+        result,
+        stopped_elsewhere=stopped and not interrupted,
+        folded={h: len(lines) for h, lines in held.items() if lines},
+    )

@@ -1,0 +1,33 @@
+"""The ssh transport of the controller: one command on many hosts at once, and the ssh argv
+that reaches a host through a cluster's generated ssh_config."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+from nodeops.launch import protocol as P
+
+T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
+
+
+def fan_out(hosts: Sequence[K], fn: Callable[[K], T], width: int | None = None) -> dict[K, T]:
+    """fn(host) on every host at once (one thread each, as pdsh does, or at most ``width``);
+    host -> result, in order. Any hashable key works (a run id, a (host, config) pair)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(hosts), width or len(hosts)))) as pool:
+        return dict(zip(hosts, pool.map(fn, hosts), strict=True))
+
+
+def ssh_argv(ssh_config: Path, host: str, *command: str) -> list[str]:
+    """ssh to a host through the cluster's generated ssh_config (strict host keys, multiplexed)."""
+    opts = [a for o in P.SSH_TIMEOUTS for a in ("-o", o)]
+    return ["ssh", "-F", str(ssh_config), *opts, host, *command]
+
+
+def last_line(text: str, default: str) -> str:
+    """The last non-blank line of a command's stderr (ssh puts its reason there), or default."""
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    return lines[-1] if lines else default
