@@ -6,6 +6,10 @@ must be identical on every rank after DDP's gradient all-reduce.
     nodeops launch cluster.yaml -- examples/ddp_train.py --steps 20
     --fail-rank R --fail-step S   makes rank R exit 1 at step S (to rehearse fail-fast)
     --sleep SECONDS               sleep per step (to keep a job alive for stop/Ctrl-C tests)
+    --hang-rank R --hang-step S   makes rank R block forever at step S while the others wait for
+                                  it in all_reduce (to rehearse `nodeops stacks` and --hang-timeout)
+    --quiet-step S --quiet-for T  every rank prints nothing for T seconds at step S, touching
+                                  $NODEOPS_PROGRESS_FILE each second (progress without output)
 """
 
 import argparse
@@ -19,12 +23,33 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
+def stuck_forever(rank: int, step: int) -> None:
+    print(f"rank {rank}: blocking forever at step {step}", flush=True)
+    while True:
+        time.sleep(1)
+
+
+def quiet(seconds: float) -> None:
+    """Print nothing for a while, but say progress the way nodeops' hang watchdog reads it."""
+    progress = os.environ.get("NODEOPS_PROGRESS_FILE")
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if progress:
+            with open(progress, "a"):
+                os.utime(progress)
+        time.sleep(1)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--fail-rank", type=int, default=-1)
     ap.add_argument("--fail-step", type=int, default=-1)
     ap.add_argument("--sleep", type=float, default=0.0)
+    ap.add_argument("--hang-rank", type=int, default=-1)
+    ap.add_argument("--hang-step", type=int, default=-1)
+    ap.add_argument("--quiet-step", type=int, default=-1)
+    ap.add_argument("--quiet-for", type=float, default=0.0)
     ap.add_argument("--local_rank", "--local-rank", type=int, default=-1, help="passed by DeepSpeed's launcher")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -44,8 +69,14 @@ def main() -> int:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if rank == args.hang_rank and step == args.hang_step:
+            stuck_forever(rank, step)
+        if step == args.quiet_step:
+            quiet(args.quiet_for)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # the mean loss, for the log
         if rank == 0 or step == args.steps - 1:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+            print(f"step {step} loss {loss.item():.4f} mean {mean.item() / world:.4f}", flush=True)
         time.sleep(args.sleep)
     flat = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()  # no numpy needed
     digest = hashlib.sha256(repr(flat).encode()).hexdigest()

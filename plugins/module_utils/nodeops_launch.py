@@ -131,8 +131,10 @@ def job_env(runner: str, env: Mapping[str, str], rdir: str) -> dict[str, str]:
     return out
 
 
-def run_config(run_id: str, hosts: Sequence[Mapping[str, Any]], runner: str, max_restarts: int) -> dict[str, Any]:
+def run_config(run_id: str, hosts: Sequence[Mapping[str, Any]], runner: str, max_restarts: int,
+               hang_timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
     """The supervisor's run.json. ``hosts``: ``{name, address, port, user, local, job}`` for every
-    host in node-rank order (``local``: the chief itself; ``job``: it runs a job.sh)."""
+    host in node-rank order (``local``: the chief itself; ``job``: it runs a job.sh).
+    ``hang_timeout``: seconds without progress before the hang watchdog fires (None: off)."""
     return {"run_id": run_id, "hosts": [dict(h) for h in hosts], "pdsh": runner == "deepspeed",
-            "agent_final": runner == "torchrun" and max_restarts == 0}  # fmt: skip
+            "agent_final": runner == "torchrun" and max_restarts == 0, "hang_timeout": hang_timeout}  # fmt: skip

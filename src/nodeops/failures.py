@@ -13,18 +13,22 @@ from nodeops.launch import protocol as P
 
 TAIL_LINES = 200  # torchrun's failure summary and shutdown alone is ~40 lines; keep the rank's last words too
 SHOWN_LINES = 20  # of them, the failing rank's own last lines shown under FAILED
-OUTCOMES = ("ok", "failed", "stopped")
+OUTCOMES = ("ok", "failed", "stopped", "hung")
+HUNG_EXIT = 124  # a run the hang watchdog stopped (as timeout(1) exits when its command timed out)
 
 
 def exit_code_for(outcome: str, code: int | None = None) -> int | None:
     """The one exit-code rule of a run, on every backend: 0 when it succeeded; 130 when it was
-    stopped (Ctrl-C, `nodeops stop`, scancel); for a failure, the failing rank's own code, except
-    the codes nodeops keeps for itself (2: bad usage, nothing was run; 130: interrupted) and codes
-    a process cannot exit with, which become 1. None: the outcome is not known."""
+    stopped (Ctrl-C, `nodeops stop`, scancel); 124 when the hang watchdog stopped it; for a
+    failure, the failing rank's own code, except the codes nodeops keeps for itself (2: bad
+    usage, nothing was run; 130: interrupted) and codes a process cannot exit with, which become
+    1. None: the outcome is not known."""
     if outcome == "ok":
         return 0
     if outcome == "stopped":
         return 130
+    if outcome == "hung":
+        return HUNG_EXIT
     if outcome != "failed":
         return None
     return code if isinstance(code, int) and 0 < code < 256 and code not in (2, 130) else 1

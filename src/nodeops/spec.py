@@ -496,6 +496,20 @@ class MeshSpec(_Model):
         return None if v is None else _check_path(v, "key_file")
 
 
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def duration_seconds(value: Any) -> float | None:
+    """``90``, ``90s``, ``10m``, ``1h`` (also ``d``, ``w``) in seconds; None when it is not one."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value) if value >= 0 else None
+    m = _DURATION.match(str(value))
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else None
+
+
 class LaunchSpec(_Model):
     runner: Literal["torchrun", "mpirun", "deepspeed"] = Field("torchrun", description="How ranks are started.")
     master_port: Port = Field(29500, description="MASTER_PORT on the chief.")
@@ -505,6 +519,22 @@ class LaunchSpec(_Model):
     nproc_per_node: Annotated[int, Field(ge=1)] | None = Field(
         None, description="Processes per node for every node; 'auto' (default) means len(gpus), else 1."
     )
+    hang_timeout: float | None = Field(
+        None,
+        description="The hang watchdog: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for this "
+        "long, every rank's stack is taken, the stuck ranks are named and the run stops as hung (exit 124). "
+        "Seconds, or 90s, 10m, 1h; off unless set (0 is off too). --hang-timeout overrides it.",
+    )
+
+    @field_validator("hang_timeout", mode="before")
+    @classmethod
+    def _hang_timeout(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        secs = duration_seconds(v)
+        if secs is None:
+            raise _err(f"{v!r} is not a duration", "write seconds or a number with a unit: 90, 90s, 10m, 1h")
+        return secs or None
 
     @field_validator("nproc_per_node", mode="before")
     @classmethod

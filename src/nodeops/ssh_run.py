@@ -36,6 +36,7 @@ from nodeops.failures import (
 )
 from nodeops.interrupts import ignoring_interrupts
 from nodeops.launch import protocol as P
+from nodeops.launch import stacks as S
 from nodeops.quoting import sh_word
 from nodeops.store import Job, remote_dir
 from nodeops.transport import fan_out, last_line, ssh_argv
@@ -52,6 +53,7 @@ class JobResult:
     supervisor: dict[str, Any] | None = None  # the chief supervisor's result.json
     stopped_elsewhere: bool = False  # stopped by a request from elsewhere (nodeops stop), not our Ctrl-C
     folded: dict[str, int] = field(default_factory=dict)  # host -> lines kept out of the live stream
+    hang: dict[str, Any] | None = None  # the hang watchdog stopped the run: its report (suspects, groups)
 
     @property
     def exit_code(self) -> int:
@@ -59,6 +61,8 @@ class JobResult:
         for itself (2: bad usage, nothing was run; 130: interrupted), which become 1."""
         if self.interrupted:
             return 130
+        if self.hang is not None:
+            return exit_code_for("hung") or 1
         if self.root_cause is not None:
             return exit_code_for("failed", failure_code(self.root_cause)) or 1
         return 0
@@ -118,6 +122,53 @@ def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, s
         return "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
 
     return fan_out(hosts, kill)
+
+
+def fetch_file(ssh_config: Path, host: str, run_id: str, name: str, dest: Path) -> bool:
+    """Copy one file of the run dir on a host here (True once it is here)."""
+    try:
+        p = subprocess.run(ssh_argv(ssh_config, host, "cat", sh_word(f"{remote_dir(run_id)}/{name}")),
+                           capture_output=True, timeout=60, check=False)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return False
+    if p.returncode != 0:
+        return False
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(p.stdout)
+    return True
+
+
+def take_stacks(job: Job, native: bool = False, method: str = "auto") -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Every rank's stack on every host of the run, at once (``agent.py stacks`` over ssh):
+    the dumps (each with its host), and host -> why no stack came from there."""
+    args = ["python3", f"{remote_dir(job.run_id)}/agent.py", "stacks", "--method", method]
+    args += ["--native"] if native else []
+
+    def one(host: str) -> tuple[list[dict[str, Any]], str]:
+        d = sh_word(remote_dir(job.run_id))
+        cmd = f"test -d {d} || {{ echo {sh_word(S.NONE_MARK + 'no run dir here')}; exit 0; }}; exec " + " ".join(
+            sh_word(a) for a in args
+        )
+        try:
+            p = subprocess.run(ssh_argv(job.ssh_config, host, cmd), capture_output=True, text=True, timeout=90,
+                               check=False, errors="replace")  # fmt: skip
+        except subprocess.TimeoutExpired:
+            return [], "unreachable: no answer within 90s"
+        if p.returncode != 0:
+            return [], "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
+        dumps, why = [], ""
+        for line in p.stdout.splitlines():
+            if line.startswith(S.MARK):
+                try:
+                    dumps.append(dict(json.loads(line[len(S.MARK) :]), host=host))
+                except ValueError:
+                    why = "an unreadable answer"
+            elif line.startswith(S.NONE_MARK):
+                why = line[len(S.NONE_MARK) :]
+        return dumps, why
+
+    got = fan_out(job.kill_hosts, one)
+    return [d for ds, _ in got.values() for d in ds], {h: why for h, (ds, why) in got.items() if not ds}
 
 
 def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
@@ -273,7 +324,8 @@ def follow(
     result = None if (interrupted and not stop_on_interrupt) else fetch_result(ssh_config, chief, run_id)
     root: HostState | None = None
     stopped = (result or {}).get("outcome") == "stopped"
-    if not interrupted and not stopped:
+    hang = (result or {}).get("hang") if (result or {}).get("outcome") == "hung" else None
+    if not interrupted and not stopped and hang is None:
         blame_peers(states, remote_tails, addresses or {})
         first = (result or {}).get("first_failure")
         root = root_cause(list(states.values()), named=first["host"] if first else "")
@@ -299,4 +351,5 @@ def follow(
         result,
         stopped_elsewhere=stopped and not interrupted,
         folded={h: len(lines) for h, lines in held.items() if lines},
+        hang=hang,
     )

@@ -125,7 +125,7 @@ def files_from_vars(run: dict[str, Any]) -> dict[str, list[RunFile]]:
     out: dict[str, list[RunFile]] = {}
     for host, hv in run["hosts"].items():
         files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2", host=host), "0700") for s in ("follow", "kill", "status")]
-        files += [RunFile(f, (fdir / f).read_text(), "0600") for f in ("agent.py", "protocol.py")]
+        files += [RunFile(f, (fdir / f).read_text(), "0600") for f in ("agent.py", "protocol.py", "stacks.py")]
         if run["runner"] == "mpirun":
             files.append(RunFile(launchers.MPI_SHIM_FILE, (fdir / launchers.MPI_SHIM_FILE).read_text(), "0755"))
         if hv["job"] is not None:

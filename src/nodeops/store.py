@@ -112,7 +112,10 @@ def find(run_id: str | None) -> Job:
     if not (d / "ssh_config").exists() and isinstance(meta.get("connection"), dict):
         write_ssh_config(d, meta["connection"])  # a run the launch playbook started
     handle = {new: str(meta[old]) for old, new in _OLD_HANDLE_FIELDS.items() if meta.get(old)}
-    handle.update({str(k): str(v) for k, v in (meta.get("handle") or {}).items()})
+    own = meta.get("handle") or {}
+    if not isinstance(own, dict):
+        raise JobError(f"{d / 'job.json'}: its handle is not a mapping; the record is damaged")
+    handle.update({str(k): str(v) for k, v in own.items() if v is not None})
     known = {f.name for f in dataclasses.fields(Job)} - {"dir", "handle"}
     job = Job(dir=d, handle=handle, **{k: v for k, v in meta.items() if k in known})
     return job if job.chief else dataclasses.replace(job, chief=(job.all_hosts or job.hosts)[0])
@@ -153,7 +156,7 @@ class Verdict:
 def supervisor_verdict(result: dict[str, Any]) -> Verdict:
     """An ssh run's verdict from its supervisor's result.json (as the chief keeps it)."""
     first = result.get("first_failure") or None
-    outcome = str(result.get("outcome"))
+    outcome = str(result.get("outcome") or "unknown")
     return Verdict.of(outcome, describe(result), (first or {}).get("code"), first_failure=first,
                       teardown_seconds=result.get("teardown_seconds"), raw=result)  # fmt: skip
 
@@ -165,6 +168,8 @@ def describe(result: dict[str, Any]) -> str:
         took = result.get("teardown_seconds")
         return (f"failed: first failure on {first['host']} ({first.get('why', '')}); every other host stopped"
                 + (f" in {took:.1f}s" if took is not None else ""))  # fmt: skip
+    if result.get("outcome") == "hung" and first:
+        return f"{first.get('why', 'hung')}; suspect host {first['host']}; every rank stopped"
     return {"ok": "finished: every job exited 0", "stopped": "stopped on request"}.get(
         str(result.get("outcome")), f"supervisor: {result.get('outcome')} {result.get('error', '')}".strip()
     )
@@ -182,14 +187,21 @@ def read_verdict(d: Path) -> Verdict | None:
         return None
     if "outcome" in data:
         known = {f.name for f in dataclasses.fields(Verdict)}
+        code = data.get("exit_code")
+        if not (isinstance(data["outcome"], str) and isinstance(data.get("detail"), str)
+                and (code is None or (isinstance(code, int) and not isinstance(code, bool)))):  # fmt: skip
+            return None
         try:
             return Verdict(**{k: v for k, v in data.items() if k in known})
         except TypeError:
             return None
-    if isinstance(data.get("supervisor"), dict) and data["supervisor"]:
-        v = supervisor_verdict(data["supervisor"])
-        return dataclasses.replace(v, hosts=data.get("hosts") or {})
-    return None
+    sup, hosts = data.get("supervisor"), data.get("hosts") or {}
+    if not isinstance(sup, dict) or not sup or not isinstance(hosts, dict):
+        return None
+    try:
+        return dataclasses.replace(supervisor_verdict(sup), hosts=hosts)
+    except (KeyError, TypeError, AttributeError):  # a damaged old record: ask the chief, as then
+        return None
 
 
 def write_ssh_config(d: Path, connection: dict[str, Any]) -> None:

@@ -43,13 +43,14 @@ def sandbox_cluster() -> Iterator[sandbox.Sandbox]:
 
 
 def wheelhouse() -> Path:
-    """torch 2.13.0 (CPU, from this machine's pip cache) and its dependencies, downloaded once."""
-    if not (WHEELHOUSE / ".complete").exists():
+    """torch 2.13.0 (CPU, from this machine's pip cache), py-spy (for `nodeops stacks`) and their
+    dependencies, downloaded once."""
+    if not (WHEELHOUSE / ".complete-2").exists():
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "torch==2.13.0", "-d", str(WHEELHOUSE)],
+            [sys.executable, "-m", "pip", "download", "-q", "torch==2.13.0", "py-spy", "-d", str(WHEELHOUSE)],
             check=True, timeout=900,
         )  # fmt: skip
-        (WHEELHOUSE / ".complete").touch()
+        (WHEELHOUSE / ".complete-2").touch()
     return WHEELHOUSE
 
 
@@ -79,7 +80,7 @@ def project(sandbox_cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathF
         "  IT_SECRET: {from_env: NODEOPS_IT_SECRET, secret: true}\n"
         "python:\n"
         "  venv: ~/.venvs/train\n"
-        "  packages: ['torch==2.13.0']\n"
+        "  packages: ['torch==2.13.0', py-spy]\n"
         f"  wheelhouse: {wheelhouse()}\n"
         "workdir:\n"
         f"  path: {WORKDIR}\n"

@@ -177,6 +177,7 @@ CLI_OPTIONS: Mapping[str, list[str]] = {
     "script": ["--script", "run.sh"],
     "fabric": ["--fabric-check"],
     "sync": ["--sync"],
+    "hang": ["--hang-timeout", "10m"],
 }
 
 
@@ -192,6 +193,19 @@ def spec_for(name: str, tmp_path: Path) -> Path:
 def test_every_option_a_capability_needs_is_listed() -> None:
     assert set(CLI_OPTIONS) == set(OPTION_OF)
     assert set(OPTION_OF) < {f.name for f in dataclasses.fields(Capabilities)}
+
+
+def test_stacks_is_refused_on_a_backend_without_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NODEOPS_HOME", str(tmp_path))
+    d = store.jobs_dir() / "20261101-101500-ab12"
+    d.mkdir()
+    store.Job(run_id=d.name, dir=d, hosts=["login"], argv=["t.py"], runner="torchrun", chief="login",
+              backend="slurm", handle={"job_id": "7"}).save()  # fmt: skip
+    assert not backends.REGISTRY["slurm"].capabilities.stacks
+    r = CliRunner().invoke(app, ["stacks", d.name])
+    assert r.exit_code == 2 and "nodeops stacks cannot be used with backend: slurm" in r.output, r.output
+    r = CliRunner().invoke(app, ["launch", "--hang-timeout", "soon", "x.yaml", "t.py"])
+    assert r.exit_code == 2 and "--hang-timeout 'soon': give seconds or a number with a unit" in r.output, r.output
 
 
 @pytest.mark.parametrize("name", sorted(backends.REGISTRY))

@@ -110,6 +110,15 @@ def test_records_of_earlier_releases_load(tmp_path: Path, monkeypatch: pytest.Mo
     assert store.read_verdict(d) is None  # never read back then either: Slurm is asked
     (d / "result.json").write_text("not json")
     assert store.read_verdict(d) is None
+    for damaged in ({"version": 2, "outcome": None, "detail": "x", "exit_code": 1},
+                    {"version": 2, "outcome": "ok", "detail": "x", "exit_code": "0"},
+                    {"supervisor": {"outcome": "failed", "first_failure": {"code": 3}}},
+                    {"supervisor": {"outcome": "failed", "first_failure": "node1"}}):  # fmt: skip
+        (d / "result.json").write_text(json.dumps(damaged))
+        assert store.read_verdict(d) is None, damaged  # `runs` asks the chief instead of crashing
+    (d / "job.json").write_text(json.dumps({**json.loads((d / "job.json").read_text()), "handle": ["4242"]}))
+    with pytest.raises(store.JobError, match="its handle is not a mapping"):
+        store.find(d.name)
 
 
 def test_artifact_dirs_running_while_their_nodeops_lives(tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ def make_run(tmp: Path, jobs: dict[str, str | None], *, agent_final: bool = Fals
     for i, (name, body) in enumerate(jobs.items()):
         d = tmp / name / f"20261122-000000-{os.getpid() % 0xFFFF:04x}{i}"
         d.mkdir(parents=True)
-        for f in ("agent.py", "protocol.py", "supervisor.py"):
+        for f in ("agent.py", "protocol.py", "stacks.py", "supervisor.py"):
             shutil.copy(LAUNCH / f, d / f)
         if body is not None:
             (d / "job.sh").write_text(body)
@@ -253,4 +253,58 @@ def test_strays_of_a_job_that_exited_0_are_swept(tmp_path: Path) -> None:
     chief, dirs = make_run(tmp_path, {"h1": "setsid sleep 300 </dev/null >/dev/null 2>&1 &\nexit 0\n"})
     res = result_of(chief, start(dirs))
     assert res["outcome"] == "ok"
+    assert wait_clean(dirs) == []
+
+
+RANK_JOB = """export RANK={rank} PYTHONPATH="$PWD/hook"
+exec {python} -c '
+import time
+def {func}():
+    while True:
+        time.sleep(0.2)
+print("rank {rank} up", flush=True)
+{func}()
+'
+"""
+
+
+def hang_run(tmp: Path, funcs: dict[str, str], timeout: float) -> tuple[Path, list[Path]]:
+    from nodeops.launch import stacks as S
+
+    jobs = {n: RANK_JOB.format(rank=i, func=f, python=sys.executable) for i, (n, f) in enumerate(funcs.items())}
+    chief, dirs = make_run(tmp, jobs)
+    for d in dirs:  # what start.sh does on every host
+        (d / "hook").mkdir()
+        (d / "hook" / "sitecustomize.py").write_text(S.HOOK)
+    cfg = json.loads((chief / "run.json").read_text())
+    (chief / "run.json").write_text(json.dumps({**cfg, "hang_timeout": timeout}))
+    return chief, dirs
+
+
+def test_the_hang_watchdog_names_the_rank_whose_stack_differs(tmp_path: Path) -> None:
+    chief, dirs = hang_run(tmp_path, {"a": "wait_in_all_reduce", "b": "wait_in_all_reduce", "c": "stuck_forever"}, 3)
+    t0 = time.monotonic()
+    res = result_of(chief, start(dirs), timeout=60)
+    assert res["outcome"] == "hung", res
+    first = res["first_failure"]
+    assert isinstance(first, dict) and first["host"] == "c", res
+    assert "rank 2 stuck in stuck_forever (<string>:5)" in first["why"], first
+    hang = res["hang"]
+    assert isinstance(hang, dict)
+    assert hang["suspects"] == ["rank 2 (c): stuck_forever (<string>:5) <- <module> (<string>:7)"], hang
+    assert "ranks 0-1 (a, b): wait_in_all_reduce (<string>:5) <- <module> (<string>:7)" in hang["groups"], hang
+    dumps = json.loads((chief / "hang.json").read_text())["dumps"]
+    assert sorted((d["rank"], d["host"]) for d in dumps) == [(0, "a"), (1, "b"), (2, "c")]
+    assert {d["method"] for d in dumps} <= {"py-spy", "signal"} and all(d["raw"] for d in dumps)
+    assert time.monotonic() - t0 < 30
+    assert wait_clean(dirs) == []
+
+
+def test_progress_without_output_keeps_the_watchdog_quiet(tmp_path: Path) -> None:
+    quiet = "for i in $(seq 1 16); do touch progress; sleep 0.5; done; exit 0\n"
+    chief, dirs = make_run(tmp_path, {"a": quiet, "b": "sleep 8; exit 0\n"})
+    cfg = json.loads((chief / "run.json").read_text())
+    (chief / "run.json").write_text(json.dumps({**cfg, "hang_timeout": 3}))
+    res = result_of(chief, start(dirs), timeout=60)
+    assert res["outcome"] == "ok", res
     assert wait_clean(dirs) == []

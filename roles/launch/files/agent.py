@@ -18,6 +18,14 @@
     or silence for HEARTBEAT_STALE (the chief or its supervisor died) it stops the run here.
     It exits once the job here has ended, or after a stop where there is no job.
 
+With ``--watch-progress`` (the hang watchdog is on) it also says ``progress`` (at most once a
+second) when ``host.log`` grew or the script touched ``progress`` (``$NODEOPS_PROGRESS_FILE``);
+on ``stacks`` from the supervisor it takes every rank's stack here and says ``stack JSON`` for
+each, then ``stacks-done``.
+
+``python3 agent.py stacks [--native] [--method auto|py-spy|signal]``
+    Every rank's Python stack on this host (stacks.py), one ``@@nodeops-stack JSON`` line each,
+    or ``@@nodeops-stack-none WHY`` when no rank of the run runs here.
 ``python3 agent.py kill``   stop the run on this host now; prints @@nodeops-stopped or @@nodeops-left N.
 ``python3 agent.py status`` print running / exited CODE / killed / idle / running (N process(es) ...).
 """
@@ -25,18 +33,24 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 if __package__:
     from . import protocol as P
-else:  # shipped: protocol.py lies beside this file
+    from . import stacks as S
+else:  # shipped: protocol.py and stacks.py lie beside this file
     import protocol as P  # type: ignore[import-not-found,no-redef]
+    import stacks as S  # type: ignore[import-not-found,no-redef]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUN_ID = os.path.basename(HERE)
@@ -167,13 +181,59 @@ def host() -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- stacks
+def stacks_here(native: bool = False, method: str = "auto") -> list[dict[str, Any]]:
+    """Every rank's stack on this host, taken at once (one thread per rank)."""
+    found = S.ranks(tagged_pids())
+    if not found:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(found))) as pool:
+        return list(pool.map(lambda rp: S.take(HERE, rp[0], rp[1], native=native, method=method), found))
+
+
 # --------------------------------------------------------------------------- guard
+_SAY = threading.Lock()
+
+
 def say(line: str) -> None:
-    try:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-    except OSError:  # the supervisor is gone; the EOF on stdin says so too
-        pass
+    with _SAY:
+        try:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        except OSError:  # the supervisor is gone; the EOF on stdin says so too
+            pass
+
+
+def report_stacks() -> None:
+    """The hang watchdog asked: every rank's stack here, for the supervisor (a thread of its own:
+    the guard goes on reading heartbeats meanwhile)."""
+    for d in stacks_here():
+        if len(d.get("raw", "")) > 200_000:  # one line each: keep it within reason
+            d["raw"] = d["raw"][-200_000:]
+        say("stack " + json.dumps(d))
+    say("stacks-done")
+
+
+class Progress:
+    """Whether the job showed progress: host.log grew, or the script touched its progress file."""
+
+    def __init__(self) -> None:
+        self.seen = self.look()
+        self.said = 0.0
+
+    def look(self) -> tuple[int, float]:
+        size = os.path.getsize(path(P.LOG)) if os.path.exists(path(P.LOG)) else 0
+        return size, mtime(P.PROGRESS) or 0.0
+
+    def moved(self) -> bool:
+        now = self.look()
+        if now == self.seen:
+            return False
+        self.seen = now
+        if time.monotonic() - self.said < 1.0:
+            return False
+        self.said = time.monotonic()
+        return True
 
 
 class LogScan:
@@ -207,8 +267,9 @@ def agent_alive() -> bool:
     return state not in ("Z", "X")  # a zombie is dead too
 
 
-def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
+def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = False) -> int:
     say("watching")
+    progress = Progress() if watch_progress else None
     open(path(P.HEARTBEAT), "a").close()
     os.utime(path(P.HEARTBEAT))
     last_beat = time.monotonic()
@@ -232,6 +293,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
                 m = P.PDSH_EXIT.match(line) if pdsh else None
                 if m and m.group(2) != "0":
                     say(f"pdsh-failed {m.group(1)} {m.group(2)}")
+        if progress is not None and progress.moved():
+            say("progress")
         if ready:
             chunk = os.read(0, 4096)
             if not chunk:  # the supervisor (or the chief) is gone: stop here, and say so if anyone listens
@@ -241,6 +304,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool) -> int:
             os.utime(path(P.HEARTBEAT))
             buf += chunk
             *cmds, buf = buf.split(b"\n")
+            if b"stacks" in (c.strip() for c in cmds):
+                threading.Thread(target=report_stacks, daemon=True).start()
             if b"stop" in (c.strip() for c in cmds) and not stopped:
                 stopped = True
                 say(f"stopped {kill_run('stop requested by the supervisor')}")
@@ -290,7 +355,15 @@ def main(argv: list[str]) -> int:
     if mode == "host":
         return host()
     if mode == "guard":
-        return guard("--job" in argv, "--agent-final" in argv, "--pdsh" in argv)
+        return guard("--job" in argv, "--agent-final" in argv, "--pdsh" in argv, "--watch-progress" in argv)
+    if mode == "stacks":
+        method = argv[argv.index("--method") + 1] if "--method" in argv[:-1] else "auto"
+        dumps = stacks_here("--native" in argv, method if method in S.METHODS else "auto")
+        for d in dumps:
+            print(S.MARK + json.dumps(d))
+        if not dumps:
+            print(S.NONE_MARK + status())
+        return 0
     if mode == "kill":
         left = kill_run("nodeops stop/teardown")
         print(P.STOPPED if left == 0 else f"{P.LEFT}{left}")
@@ -298,7 +371,7 @@ def main(argv: list[str]) -> int:
     if mode == "status":
         print(status())
         return 0
-    sys.stderr.write("usage: agent.py host|guard|kill|status\n")
+    sys.stderr.write("usage: agent.py host|guard|stacks|kill|status\n")
     return 2
 
 

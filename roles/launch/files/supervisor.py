@@ -3,7 +3,7 @@ run's life, for attached and detached runs alike.
 
 Started by start.sh on the chief in its own session. Reads ``run.json``::
 
-    {"run_id": ..., "agent_final": bool, "pdsh": bool,
+    {"run_id": ..., "agent_final": bool, "pdsh": bool, "hang_timeout": seconds | null,
      "hosts": [{"name", "address", "port", "user", "local": bool, "dir"?: path}]}
 
 and runs one guard (``agent.py guard``) per host: a local child for the chief, ``ssh`` (BatchMode,
@@ -15,13 +15,17 @@ switch). The decision is made here, once:
   failed node, a host whose guard is lost) stops every other host (``stop`` through each
   guard's own connection: no new ssh handshakes on the teardown path);
 - ``stop_request`` in the run dir (``nodeops stop``, Ctrl-C on an attached launch) stops all;
-- when every job has ended, hosts without a job (mpirun/deepspeed ranks) are swept.
+- when every job has ended, hosts without a job (mpirun/deepspeed ranks) are swept;
+- with ``hang_timeout`` (the hang watchdog): when no host showed progress (log output, or the
+  script's progress file) for that long, every guard takes its ranks' stacks, the ranks whose
+  stack differs from the majority are named in ``hang.json`` and the run stops as ``hung``.
 
 Then it writes ``result.json`` and exits, always. Progress goes to ``supervisor.log``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -35,8 +39,12 @@ from typing import Any
 
 if __package__:
     from . import protocol as P
-else:  # shipped: protocol.py lies beside this file
+    from . import stacks as S
+else:  # shipped: protocol.py and stacks.py lie beside this file
     import protocol as P  # type: ignore[import-not-found,no-redef]
+    import stacks as S  # type: ignore[import-not-found,no-redef]
+
+STACKS_WAIT = 40.0  # how long the hang watchdog waits for every guard's stacks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The mesh path (as mpirun and pdsh use it): strict host keys, no prompts, no user ControlMaster.
@@ -121,7 +129,9 @@ def host_result(lk: Link) -> dict[str, Any]:
 
 def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
     run_id = cfg["run_id"]
+    hang_timeout = float(cfg.get("hang_timeout") or 0)
     flags = (["--agent-final"] if cfg.get("agent_final") else []) + (["--pdsh"] if cfg.get("pdsh") else [])
+    flags += ["--watch-progress"] if hang_timeout else []
     links = [Link(h, run_id, flags) for h in cfg["hosts"]]
     by_address = {lk.address: lk for lk in links}
     events: queue.Queue[tuple[Link, str | None]] = queue.Queue()
@@ -157,6 +167,9 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
 
     first_rank = 0
     first_at = 0.0
+    last_progress = time.monotonic()
+    hang: dict[str, Any] = {}  # the watchdog fired: {"asked", "idle", "dumps", "done"}
+    hang_report: dict[str, Any] | None = None
     held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
 
     def fail(lk: Link, code: str, why: str, rank: int = P.CAUSE_EXIT, after_stop: bool = False) -> None:
@@ -185,11 +198,19 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
                 stop_all(f"{lk.name}: {why}", spare=spare)
 
     def handle(lk: Link, line: str) -> None:
+        nonlocal last_progress
         words = line.split()
         if not words:
             return
         if line == "watching":
             lk.watching = True
+        elif line == "progress":
+            last_progress = time.monotonic()
+        elif words[0] == "stack" and hang:
+            with contextlib.suppress(ValueError):
+                hang["dumps"].append(dict(json.loads(line[len("stack ") :]), host=lk.name))
+        elif line == "stacks-done" and hang:
+            hang["done"].add(lk.name)
         elif words[0] == "exit":
             lk.ended = words[1]
             if first is not None and first["host"] == lk.name and first["code"] is None and lk.ended.isdigit():
@@ -221,8 +242,44 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
             if not lk.sent_stop:
                 fail(lk, "lost", lk.lost, P.CAUSE_LOST)
 
+    def judge_hang() -> None:
+        """Every guard answered (or STACKS_WAIT passed): name the ranks whose stack differs from
+        the majority, keep every dump in hang.json, and stop the run as hung."""
+        nonlocal first, outcome, hang_report
+        groups = S.group(hang["dumps"])
+        odd = S.suspects(groups)
+        answered = {d["rank"] for d in hang["dumps"]}
+        hang_report = {"timeout": hang_timeout, "idle_seconds": round(hang["idle"], 1), "file": P.HANG,
+                       "suspects": [S.group_line(g) for g in odd], "groups": [S.group_line(g) for g in groups],
+                       "silent_hosts": [lk.name for lk in links if lk.name not in hang["done"]],
+                       "ranks": len(answered)}  # fmt: skip
+        with open(os.path.join(HERE, P.HANG + ".tmp"), "w") as f:
+            json.dump({**hang_report, "dumps": hang["dumps"]}, f, indent=1)
+        os.replace(os.path.join(HERE, P.HANG + ".tmp"), os.path.join(HERE, P.HANG))
+        culprit = odd[0] if odd else None
+        if culprit is not None:
+            why = (f"hung: no progress for {hang['idle']:.0f}s; rank {S.span(culprit['ranks'])} stuck in "
+                   f"{S.frames_text(culprit['frames'], 1)}")  # fmt: skip
+        else:
+            why = f"hung: no progress for {hang['idle']:.0f}s; no rank's stack differs from the others'"
+        host = culprit["hosts"][0] if culprit is not None and culprit["hosts"] else links[0].name
+        first, outcome = {"host": host, "code": None, "why": why}, "hung"
+        log(f"hang: {why}")
+        stop_all(why)
+
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
     while len(gone) < len(links):
+        quiet = time.monotonic() - last_progress
+        if (hang_timeout and not hang and first is None and outcome == "ok" and stopping_since is None
+                and sweep_since is None and quiet > hang_timeout):  # fmt: skip
+            hang.update(asked=time.monotonic(), idle=quiet, dumps=[], done=set())
+            log(f"no progress for {quiet:.0f}s (hang timeout {hang_timeout:.0f}s): taking every rank's stack")
+            for lk in links:
+                lk.send("stacks")
+        answered = hang and (hang["done"] | gone >= {lk.name for lk in links}
+                             or time.monotonic() - hang["asked"] > STACKS_WAIT)  # fmt: skip
+        if answered and hang_report is None and outcome == "ok" and stopping_since is None:
+            judge_hang()
         if held and (time.monotonic() >= held["until"] or os.path.exists(stop_file)):
             why, spare = held["why"], held["spare"]
             held.clear()
@@ -265,6 +322,7 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
         "first_failure": first,
         "hosts": {lk.name: host_result(lk) for lk in links},
         "teardown_seconds": took,
+        **({"hang": hang_report} if hang_report is not None else {}),
     }
 
 

@@ -50,6 +50,8 @@ class Capabilities:
     fabric: bool  # check --fabric, launch --fabric-check
     sync: bool  # launch --sync (setup's shared_path role first)
     preflight: bool  # the preflight before a launch (--no-check skips it)
+    hang: bool = False  # launch --hang-timeout / launch.hang_timeout: the hang watchdog
+    stacks: bool = False  # nodeops stacks RUN_ID (a command of its own, refused by lifecycle.control)
 
 
 # The option that needs each capability, as the user types it (one wording on every backend).
@@ -59,6 +61,7 @@ OPTION_OF: Mapping[str, str] = {
     "script": "--script",
     "fabric": "--fabric-check",
     "sync": "--sync",
+    "hang": "--hang-timeout (launch.hang_timeout)",
 }
 
 
@@ -77,11 +80,12 @@ class LaunchRequest:
     verbose: bool = False
     sync: bool = False
     fabric_check: bool = False
+    hang_timeout: float | None = None  # seconds; None: the spec's launch.hang_timeout; 0: off
 
     def asked(self) -> dict[str, bool]:
         """Which capabilities this request needs (keys of :data:`OPTION_OF`)."""
         return {"detach": self.detach, "via_ansible": self.via != "ssh", "script": self.script is not None,
-                "fabric": self.fabric_check, "sync": self.sync}  # fmt: skip
+                "fabric": self.fabric_check, "sync": self.sync, "hang": bool(self.hang_timeout)}  # fmt: skip
 
 
 @dataclass
@@ -153,6 +157,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def stop(self, job: Job, sink: Sink) -> None:
         """Stop every process of the job and confirm it; ExitWith(1) when not confirmed."""
+
+    def stacks(self, job: Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        """Every rank's stack of a live run, taken at once on every host (nodeops.launch.stacks'
+        dumps, each with its ``host``), and host -> why none came from there. Only where
+        ``capabilities.stacks``."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def run_state(self, job: Job) -> RunState:

@@ -121,15 +121,19 @@ def logs_tail(job: store.Job) -> dict[str, list[str]]:
             for name, (_, _, text) in st.files.items()}  # fmt: skip
 
 
-def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: tuple[str, int] | None = None) -> store.Verdict:
-    """The finished job's verdict, kept in its record (``result.json``, as for an ssh run)."""
+def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: tuple[str, int] | None = None) -> None:
+    """The finished job's verdict, kept in its record (``result.json``, as for an ssh run).
+    Not when Slurm forgot the job with no final state or result seen (`runs` says gone), nor
+    when the record was removed meanwhile (`clean` in another shell)."""
+    if not st.state and st.result is None:
+        return
     outcome = slurm.outcome(st)
     v = store.Verdict(outcome, f"Slurm job {slurm_id(job)}: {slurm.describe(st)}", code,
                       first_failure=None if first is None else {"host": first[0], "code": first[1],
                                                                 "why": f"exit code {first[1]}"},
                       raw={"state": st.state, "exit": st.exit, "result": st.result}, backend="slurm")  # fmt: skip
-    v.save(job.dir)
-    return v
+    with contextlib.suppress(OSError):
+        v.save(job.dir)
 
 
 def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:

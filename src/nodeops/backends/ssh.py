@@ -13,12 +13,13 @@ import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from nodeops import _launch_plan, check, failures, launchers, ssh_run, starter, store, transport
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import ignoring_interrupts, sigterm_as_interrupt
+from nodeops.launch import protocol as P
 from nodeops.launchers import HostLaunch
 from nodeops.quoting import sh_word
 from nodeops.render import inventory, ssh_config
@@ -110,7 +111,8 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
     run_id = store.new_run_id()
     plan = launch_plan(loaded, user_argv, run_id, script)
     started = [h.host for h in plan if h.argv]
-    run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner, s.launch.max_restarts)
+    run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner, s.launch.max_restarts,
+                                         s.launch.hang_timeout)  # fmt: skip
     files = starter.host_files(loaded, plan, run_id, run_config)
 
     def home(text: str) -> str:
@@ -147,20 +149,54 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
     return out
 
 
-def keep_verdict(local: Path, res: ssh_run.JobResult) -> store.Verdict:
-    """An attached run's verdict, kept in its record: the exit code the launch gives, the host
-    that started the failure (as the follower judged it) and the supervisor's own result."""
+def report_hang(job: store.Job, hang: dict[str, Any], sink: Sink) -> None:
+    """What the hang watchdog found: the ranks whose stack differs from the others', then the
+    others; every rank's stack (hang.json) is copied from the chief into the run's record here."""
+    sink.note(f"==> run {job.run_id} HUNG: no rank showed progress for {hang.get('idle_seconds', 0):.0f}s "
+              f"(hang timeout {hang.get('timeout', 0):.0f}s); every rank's stack was taken")  # fmt: skip
+    suspects = list(hang.get("suspects") or [])
+    for line in suspects:
+        sink.note(f"    stuck: {line}")
+    if not suspects:
+        sink.note("    no rank's stack differs from the others' (every rank waits in the same place):")
+    for line in hang.get("groups") or []:
+        if line not in suspects:
+            sink.note(f"    {'the others' if suspects else 'all'}: {line}")
+    if hang.get("silent_hosts"):
+        sink.note(f"    no stacks came from {', '.join(hang['silent_hosts'])}")
+    dest = job.dir / "stacks" / P.HANG
+    if ssh_run.fetch_file(job.ssh_config, job.chief, job.run_id, P.HANG, dest):
+        sink.note(f"    every rank's stack: {dest}")
+    else:
+        sink.note(f"    every rank's stack: {P.HANG} in the run dir on {job.chief} (could not copy it here)")
+
+
+def keep_verdict(local: Path, res: ssh_run.JobResult) -> store.Verdict | None:
+    """An attached run's verdict, kept in its record: the outcome, the host that started a
+    failure (as the follower judged it), the code by the one rule, and the supervisor's own
+    result. Nothing is kept without the supervisor's result (a later `runs` asks the chief)."""
+    if res.supervisor is None and not res.interrupted:
+        return None
     rc = res.root_cause
     if res.interrupted:
         outcome = "stopped"
+    elif res.hang is not None:
+        outcome = "hung"
     elif rc is not None:
         outcome = "failed"
     else:
-        outcome = str((res.supervisor or {}).get("outcome") or "ok")
-    first = None if rc is None else {"host": rc.host, "code": failures.failure_code(rc),
-                                     "why": rc.lost_reason or f"exit code {failures.failure_code(rc)}"}  # fmt: skip
-    detail = store.describe(res.supervisor) if res.supervisor else f"{outcome} (no result from the chief's supervisor)"
-    v = store.Verdict(outcome, detail, res.exit_code, first_failure=first, teardown_seconds=res.teardown_seconds,
+        outcome = str((res.supervisor or {}).get("outcome") or "unknown")
+    code = failures.failure_code(rc) if rc is not None else None
+    first = None if rc is None else {"host": rc.host, "code": code,
+                                     "why": rc.lost_reason or (f"exit code {code}" if code else "failed")}  # fmt: skip
+    if res.supervisor and res.supervisor.get("outcome") == outcome:
+        detail = store.describe(res.supervisor)
+    elif first is not None:
+        detail = f"failed: first failure on {first['host']} ({first['why']})"
+    else:
+        detail = "stopped on request" if res.stopped_elsewhere else "interrupted (Ctrl-C)"
+    v = store.Verdict(outcome, detail, failures.exit_code_for(outcome, code), first_failure=first,
+                      teardown_seconds=res.teardown_seconds,
                       hosts={h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
                       raw=res.supervisor or {})  # fmt: skip
     v.save(local)
@@ -216,7 +252,7 @@ def run_job(
             # announced inside the block: a Ctrl-C right after this line still stops what started
             sink.note(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via})")
             run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner,
-                                                 s.launch.max_restarts)  # fmt: skip
+                                                 s.launch.max_restarts, s.launch.hang_timeout)  # fmt: skip
             run = starter.run_vars(loaded, plan, run_id, run_config)
             files = starter.files_from_vars(run)
             for h in plan:
@@ -266,6 +302,11 @@ def run_job(
     if res.interrupted:
         how = "stopped on request (nodeops stop)" if res.stopped_elsewhere else "interrupted"
         raise ExitWith(res.exit_code, f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}")
+    if res.hang is not None:
+        report_hang(store.find(run_id), res.hang, sink)
+        took = f" in {res.teardown_seconds:.1f}s" if res.teardown_seconds is not None else ""
+        sink.note(f"==> the supervisor stopped every rank{took}; {teardown_summary(res.teardown_problems)}")
+        raise ExitWith(res.exit_code)
     if res.root_cause is not None:
         rc = res.root_cause
         code = failures.failure_code(rc)
@@ -325,7 +366,7 @@ class SshBackend(Backend):
     name: ClassVar[str] = "ssh"
     capabilities: ClassVar[Capabilities] = Capabilities(
         runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, via_ansible=True, script=True,
-        fabric=True, sync=True, preflight=True,
+        fabric=True, sync=True, preflight=True, hang=True, stacks=True,
     )  # fmt: skip
 
     def summary(self, loaded: LoadedSpec) -> str:
@@ -352,6 +393,8 @@ class SshBackend(Backend):
         verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
         if verdict is not None:
             sink.note(f"run {job.run_id}: {store.describe(verdict)}")
+            if verdict.get("outcome") == "hung" and verdict.get("hang"):
+                report_hang(job, verdict["hang"], sink)
         bad = [h for h, s in states.items() if not (s.startswith("running") or s in ("exited 0", "idle"))]
         if bad:
             raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: not ok on {', '.join(bad)}")
@@ -386,6 +429,9 @@ class SshBackend(Backend):
                            f"{', '.join(dict.fromkeys([*left, *problems]))}")  # fmt: skip
         sink.note(f"run {job.run_id}: nothing of it is left running on {len(states)} host(s)"
                   + ("" if ended is not None else "; stopped"))  # fmt: skip
+
+    def stacks(self, job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        return ssh_run.take_stacks(job, native, method)
 
     def run_state(self, job: store.Job) -> RunState:
         script = _PROBE.replace("@ID@", sh_word(store.check_run_id(job.run_id))).replace(

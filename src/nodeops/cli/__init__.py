@@ -12,7 +12,7 @@ from nodeops.cli.app import app, main
 # `nodeops --help` in the order a user works: panels, and the commands in each, as listed here.
 PANELS = {
     "Cluster": ["validate", "setup", "check"],
-    "Runs": ["launch", "status", "logs", "stop", "runs", "clean", "runner-prefix"],
+    "Runs": ["launch", "status", "logs", "stacks", "stop", "runs", "clean", "runner-prefix"],
     "Specs": ["render", "schema", "import-inventory", "import-hostfile"],
     "Sandbox": ["sandbox"],
 }

@@ -1,4 +1,4 @@
-"""`nodeops status`, `nodeops logs`, `nodeops stop`: find a launched run again by its id."""
+"""`nodeops status`, `logs`, `stop`, `stacks`, `runs`, `clean`: find a launched run again by its id."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import typer
 
 from nodeops.cli.app import ConsoleSink, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE
+from nodeops.launch import stacks as S
 from nodeops.lifecycle import control
 from nodeops.lifecycle import runs as R
 from nodeops.runner import runs_dir
@@ -48,6 +49,52 @@ def stop(run_id: RunArg = None) -> None:
 
     with errors():
         control.stop(run_id, ConsoleSink())
+
+
+@app.command(
+    epilog="Examples:\n\n    nodeops stacks 20261122-101500-ab12\n\n    nodeops stacks --native"
+    "\n\n    nodeops stacks --json | jq '.odd'"
+)
+def stacks(
+    run_id: RunArg = None,
+    native: Annotated[bool, typer.Option("--native", help="Add C/C++ frames (py-spy only).")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the groups and every rank's method as JSON.")] = False,
+    method: Annotated[
+        str,
+        typer.Option(
+            "--method",
+            help="auto: py-spy where it is installed and ptrace is allowed, else the signal hook the launch "
+            "put in every rank (faulthandler; no ptrace); or force py-spy or signal.",
+        ),
+    ] = "auto",
+) -> None:
+    """Where is every rank now? The Python stack of every rank of a live run, on every host at once.
+
+    Ranks with the same stack are grouped; the ranks whose stack differs from the majority come
+    first (in a hang, those are the stuck ones). Each rank's raw dump is saved in the run's record
+    here, under stacks/<time>/. Exit 2 when the run has no live rank (it has ended).
+    """
+
+    with errors():
+        doc = control.stacks(run_id, native, method)
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return
+    ranks, hosts = len(doc["methods"]), {m["host"] for m in doc["methods"].values()}
+    err(f"==> {ranks} rank(s) on {len(hosts)} host(s); stacks taken in {doc['seconds']:.1f}s")
+    for g in doc["groups"]:
+        label = "DIFFERS " if g["odd"] else ""
+        print(f"{label}{S.group_line(g)}")
+    by_method: dict[str, list[int]] = {}
+    for rank, m in doc["methods"].items():
+        by_method.setdefault(m["method"], []).append(int(rank))
+    err("    method: " + "; ".join(f"{m} for ranks {S.span(r)}" for m, r in sorted(by_method.items())))
+    for rank, m in sorted(doc["methods"].items()):
+        if m.get("fallback_from"):
+            err(f"    rank {rank} ({m['host']}): {m['method']}, because {m['fallback_from']}")
+    for host, why in doc["no_rank"].items():
+        err(f"    {host}: no rank here ({why})")
+    err(f"    raw dumps: {doc['dir']}")
 
 
 def _when(ts: float) -> str:

@@ -16,6 +16,7 @@ from nodeops.errors import EXIT_SPEC
 from nodeops.launchers import runner_prefix as prefix
 from nodeops.lifecycle.launch import launch as do_launch
 from nodeops.loading import load_spec
+from nodeops.spec import duration_seconds
 
 
 class Via(enum.StrEnum):
@@ -65,7 +66,8 @@ class ScriptCommand(TyperCommand):
         "    nodeops launch --dry-run cluster.yaml train.py   # each host's command, env and files; starts nothing\n\n"
         "    nodeops launch --fabric-check cluster.yaml train.py   # measure the links first; a slow node stops it\n\n"
         "    nodeops launch aws_ec2.yml --group gpu -- train.py   # an Ansible inventory (here a plugin config)\n\n"
-        "    nodeops launch slurm.yaml -- train.py   # backend: slurm: sbatch, then follow the job (as on ssh)"
+        "    nodeops launch slurm.yaml -- train.py   # backend: slurm: sbatch, then follow the job (as on ssh)\n\n"
+        "    nodeops launch --hang-timeout 10m cluster.yaml train.py   # a silent hang names the stuck rank"
     ),
 )
 def launch(
@@ -115,6 +117,17 @@ def launch(
             "node is slow or a network.fabric threshold fails.",
         ),
     ] = False,
+    hang_timeout: Annotated[
+        str | None,
+        typer.Option(
+            "--hang-timeout",
+            metavar="DURATION",
+            help="The hang watchdog: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for this "
+            "long (90, 90s, 10m, 1h), take every rank's stack, name the stuck ranks and stop the run (exit 124). "
+            "Overrides launch.hang_timeout; 0 turns it off. Pick well above your slowest quiet phase "
+            "(checkpointing, the first step's compile): 10m is a sound start.",
+        ),
+    ] = None,
     attach: Annotated[
         bool,
         typer.Option(
@@ -134,12 +147,15 @@ def launch(
     the script are nodeops'; the script and every argument after it reach the script literally.
     """
 
+    hang = None if hang_timeout is None else duration_seconds(hang_timeout)
+    if hang_timeout is not None and hang is None:
+        fail(f"--hang-timeout {hang_timeout!r}: give seconds or a number with a unit, like 90, 90s, 10m or 1h", 2)
     user_argv = list(ctx.args)
     if user_argv[:1] == ["--"]:
         user_argv = user_argv[1:]
     request = LaunchRequest(spec_path=spec, argv=user_argv, script=script, detach=detach, attach=attach,
                             via=via.value, check=not no_check, dry_run=dry_run, verbose=verbose, sync=sync,
-                            fabric_check=fabric_check)  # fmt: skip
+                            fabric_check=fabric_check, hang_timeout=hang)  # fmt: skip
     with errors():
         do_launch(request, ConsoleSink(), group)
 

@@ -3,16 +3,23 @@ backend's own start (and follow)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from nodeops import backends
 from nodeops.backends.base import Backend, LaunchRequest, Sink
 from nodeops.errors import UsageError
 from nodeops.lifecycle import gates, load_cluster
 from nodeops.lifecycle.fabric import fabric_gate
+from nodeops.spec import ResourceSpec
 
 
-def refuse_unsupported(backend: Backend, request: LaunchRequest) -> None:
-    """Every option the spec's backend does not declare, refused at once (exit 2, nothing run)."""
-    bad = backend.refusals(request.asked())
+def refuse_unsupported(backend: Backend, request: LaunchRequest, spec: ResourceSpec | None = None) -> None:
+    """Every option the spec's backend does not declare, refused at once (exit 2, nothing run);
+    the spec's own launch.hang_timeout too, unless --hang-timeout 0 turns it off."""
+    asked = request.asked()
+    if spec is not None and request.hang_timeout is None and spec.launch.hang_timeout:
+        asked["hang"] = True
+    bad = backend.refusals(asked)
     if bad:
         raise UsageError(f"{', '.join(bad)} cannot be used with backend: {backend.name} (nothing was run)")
 
@@ -25,7 +32,10 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
     if request.detach and request.attach:
         raise UsageError("--detach and --attach contradict each other (a launch follows its job unless --detach)")
     backend = backends.for_spec(loaded.spec)
-    refuse_unsupported(backend, request)
+    refuse_unsupported(backend, request, loaded.spec)
+    if request.hang_timeout is not None:  # --hang-timeout wins over the spec's (0: off)
+        launch_spec = loaded.spec.launch.model_copy(update={"hang_timeout": request.hang_timeout or None})
+        loaded = dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"launch": launch_spec}))
     if request.dry_run:
         for kind, text in backend.dry_run(loaded, request).entries:
             (sink.out if kind == "out" else sink.note)(text)

@@ -26,20 +26,18 @@ from nodeops.backends.ssh import ALIVE, in_home
 from nodeops.errors import UsageError
 from nodeops.launch import protocol as P
 from nodeops.quoting import sh_word
+from nodeops.spec import duration_seconds
 from nodeops.transport import fan_out, last_line, ssh_argv
 
-FINISHED = ("ok", "failed", "stopped", "gone")  # what clean may remove
+FINISHED = ("ok", "failed", "stopped", "hung", "gone")  # what clean may remove
 INFERRED_MIN_AGE = 600.0  # a run without a verdict (gone, or failed while starting) is this old before clean takes it
-_DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
 def parse_duration(text: str) -> float:
-    """'90s', '30m', '12h', '7d', '2w' -> seconds; anything else is a usage error."""
-    m = _DURATION.match(text.strip())
-    if not m:
+    secs = duration_seconds(text) if re.search(r"[smhdw]\s*$", text) else None
+    if secs is None:
         raise UsageError(f"--older-than {text!r}: give a number and a unit, like 30m, 12h, 7d or 2w")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    return secs
 
 
 @dataclass

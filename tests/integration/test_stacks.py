@@ -1,0 +1,119 @@
+"""`nodeops stacks` and the hang watchdog on the 3-node sandbox: real torchrun ranks (gloo, CPU)
+blocked for real, their stacks read by py-spy (ptrace) or by the signal hook (faulthandler)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeops import sandbox
+
+from .test_launch import CLEAN, _cli, launch, no_leftovers_within
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _detach(project: Path, *args: str) -> str:
+    p = launch(project / "cluster.yaml", "--detach", *args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout.strip().splitlines()[-1]
+
+
+def _wait_running(run_id: str, ranks: int = 3, seconds: float = 120) -> None:
+    """Until every rank has printed its first line (the job's Python is up everywhere)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        logs = _cli("logs", run_id).stdout
+        if len(re.findall(r"\]:rank \d/\d on ", logs)) >= ranks and "step 1 " in logs:
+            return
+        time.sleep(1)
+    raise AssertionError(f"run {run_id} did not start every rank:\n{_cli('logs', run_id).stdout[-2000:]}")
+
+
+def test_hang_watchdog_names_the_stuck_rank_and_stops_the_run(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    t0 = time.monotonic()
+    p = launch(project / "cluster.yaml", "--hang-timeout", "20", "--", "ddp_train.py", "--steps", "1000",
+               "--sleep", "0.2", "--hang-rank", "2", "--hang-step", "3", timeout=400)  # fmt: skip
+    took = time.monotonic() - t0
+    assert p.returncode == 124, p.stderr[-3000:]
+    assert re.search(r"HUNG: no rank showed progress for \d+s \(hang timeout 20s\)", p.stderr), p.stderr[-3000:]
+    # the stuck rank, its host and its function; the others wait in all_reduce
+    assert re.search(r"stuck: rank 2 \(node3\): stuck_forever \(ddp_train\.py:\d+\)", p.stderr), p.stderr[-3000:]
+    assert re.search(r"the others: ranks 0-1 \(node1, node2\): all_reduce \(", p.stderr), p.stderr[-3000:]
+    assert "every rank's stack: " in p.stderr
+    run_id = re.search(r"==> run (\S+): starting", p.stderr).group(1)  # type: ignore[union-attr]
+    hang = json.loads((Path.home() / ".nodeops" / "jobs" / run_id / "stacks" / "hang.json").read_text())
+    assert sorted(d["rank"] for d in hang["dumps"]) == [0, 1, 2]
+    assert all(d["method"] in ("py-spy", "signal") for d in hang["dumps"]), hang["dumps"]
+    assert no_leftovers_within(sandbox_cluster, 10) == CLEAN
+    runs = {r["run_id"]: r for r in json.loads(_cli("runs", "--json").stdout)}
+    assert (runs[run_id]["state"], runs[run_id]["exit_code"]) == ("hung", 124)
+    print(f"hang watchdog: launch returned after {took:.0f}s; methods "
+          f"{sorted({d['method'] for d in hang['dumps']})}")  # fmt: skip
+
+
+def test_detached_hang_is_judged_on_the_chief_and_status_says_hung(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    run_id = _detach(project, "--hang-timeout", "15s", "--", "ddp_train.py", "--steps", "1000", "--sleep", "0.2",
+                     "--hang-rank", "0", "--hang-step", "2")  # fmt: skip
+    deadline = time.monotonic() + 150
+    st = _cli("status", run_id)
+    while time.monotonic() < deadline and "hung" not in st.stderr + st.stdout:
+        time.sleep(3)
+        st = _cli("status", run_id)
+    assert "hung: no progress for" in st.stderr, st.stdout + st.stderr
+    assert re.search(r"stuck: rank 0 \(node1\): stuck_forever", st.stderr), st.stderr
+    assert (Path.home() / ".nodeops" / "jobs" / run_id / "stacks" / "hang.json").is_file()
+    assert no_leftovers_within(sandbox_cluster, 15) == CLEAN
+
+
+def test_stacks_of_a_healthy_run_then_of_a_finished_one(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    run_id = _detach(project, "--", "ddp_train.py", "--steps", "1000", "--sleep", "1.0")
+    try:
+        _wait_running(run_id)
+        answers = {}
+        for method in ("auto", "signal"):  # signal: the no-ptrace path, forced
+            for _ in range(3):  # ranks spend ~all their time in the same sleep: one group, nearly always
+                p = _cli("stacks", run_id, "--json", "--method", method)
+                assert p.returncode == 0, p.stderr
+                doc = json.loads(p.stdout)
+                assert sorted(int(r) for r in doc["methods"]) == [0, 1, 2], doc["methods"]
+                assert {m["host"] for m in doc["methods"].values()} == {"node1", "node2", "node3"}
+                assert len(doc["files"]) == 3 and all(Path(f).is_file() for f in doc["files"])
+                if len(doc["groups"]) == 1:
+                    break
+            assert len(doc["groups"]) == 1, doc["groups"]
+            if method == "signal":
+                assert {m["method"] for m in doc["methods"].values()} == {"signal"}
+            answers[method] = doc["groups"][0]["frames"][0]
+        # the same answer either way: the rank's innermost frame is main's sleep (ddp_train.py)
+        for frame in answers.values():
+            assert (frame["func"], Path(frame["file"]).name) == ("main", "ddp_train.py"), answers
+        assert answers["auto"]["line"] == answers["signal"]["line"], answers
+        human = _cli("stacks", run_id)
+        assert re.search(r"^ranks 0-2 \(node1, node2, node3\): main \(ddp_train\.py:\d+\)", human.stdout, re.M), (
+            human.stdout + human.stderr
+        )
+        assert "method: " in human.stderr and "raw dumps: " in human.stderr
+    finally:
+        _cli("stop", run_id)
+    assert no_leftovers_within(sandbox_cluster, 10) == CLEAN
+    done = _cli("stacks", run_id)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"run {run_id} has no live rank" in done.stderr, done.stderr
+
+
+def test_a_quiet_run_that_touches_its_progress_file_is_not_stopped(project: Path, first_run: object) -> None:
+    p = launch(project / "cluster.yaml", "--hang-timeout", "8", "--", "ddp_train.py", "--steps", "4",
+               "--quiet-step", "1", "--quiet-for", "20")  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "HUNG" not in p.stderr and "every host exited 0" in p.stderr
