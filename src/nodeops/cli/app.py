@@ -55,7 +55,10 @@ def _usage_name(self: typer.core.TyperArgument) -> str:
 
 typer.core.TyperArgument._usage_display_name = _usage_name  # type: ignore[method-assign]
 
-EPILOG = "Exit codes: 0 ok; 1 a host or check failed; 2 bad spec, hostfile or usage (nothing was run); 130 interrupted."
+EPILOG = (
+    "Exit codes: 0 ok; 1 a host or check failed; 2 bad spec, hostfile or usage (nothing was run); "
+    "124 hung (the hang watchdog stopped the run); 130 interrupted."
+)
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 SpecArg = Annotated[
