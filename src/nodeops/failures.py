@@ -13,7 +13,6 @@ from nodeops.launch import protocol as P
 
 TAIL_LINES = 200  # torchrun's failure summary and shutdown alone is ~40 lines; keep the rank's last words too
 SHOWN_LINES = 20  # of them, the failing rank's own last lines shown under FAILED
-OUTCOMES = ("ok", "failed", "stopped", "hung")
 HUNG_EXIT = 124  # a run the hang watchdog stopped (as timeout(1) exits when its command timed out)
 
 

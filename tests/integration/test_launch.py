@@ -22,7 +22,7 @@ JOB = re.compile(r"ddp_train|torch\.distributed\.run|job\.sh")
 # Every helper a run starts on a node: the agent, the supervisor and its guards, follow/kill/
 # status scripts, tail, ssh clients, and the jobs themselves (sshd sessions are the sandbox's own).
 HELPERS = re.compile(r"ddp_train|fabric\.py|torch\.distributed\.run|job\.sh|agent\.py|supervisor\.py|follow\.sh|"
-                     r"kill\.sh|status\.sh|start\.sh|tail -n|(^|\s)ssh\s|sleep 30[0-9]|orted|pdsh")  # fmt: skip
+                     r"kill\.sh|status\.sh|start\.sh|tail -n|(^|\s)ssh\s|sleep 30[0-9]|orted|pdsh|py-spy")  # fmt: skip
 
 
 def launch(spec: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess[str]:

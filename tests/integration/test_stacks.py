@@ -12,7 +12,7 @@ import pytest
 
 from nodeops import sandbox
 
-from .test_launch import CLEAN, _cli, launch, no_leftovers_within
+from .test_launch import CLEAN, _cli, controller_leftovers, launch, no_leftovers_within
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -52,6 +52,7 @@ def test_hang_watchdog_names_the_stuck_rank_and_stops_the_run(
     assert sorted(d["rank"] for d in hang["dumps"]) == [0, 1, 2]
     assert all(d["method"] in ("py-spy", "signal") for d in hang["dumps"]), hang["dumps"]
     assert no_leftovers_within(sandbox_cluster, 10) == CLEAN
+    assert controller_leftovers(run_id) == []
     runs = {r["run_id"]: r for r in json.loads(_cli("runs", "--json").stdout)}
     assert (runs[run_id]["state"], runs[run_id]["exit_code"]) == ("hung", 124)
     print(f"hang watchdog: launch returned after {took:.0f}s; methods "
@@ -107,6 +108,7 @@ def test_stacks_of_a_healthy_run_then_of_a_finished_one(
     finally:
         _cli("stop", run_id)
     assert no_leftovers_within(sandbox_cluster, 10) == CLEAN
+    assert controller_leftovers(run_id) == []  # no ssh of `stacks` (or of anything else) lingers here
     done = _cli("stacks", run_id)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"run {run_id} has no live rank" in done.stderr, done.stderr

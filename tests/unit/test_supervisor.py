@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from nodeops.launch import agent as agent_mod
+from nodeops.launch import stacks as S
 
 LAUNCH = Path(agent_mod.__file__).parent
 pytestmark = pytest.mark.slow
@@ -269,8 +270,6 @@ print("rank {rank} up", flush=True)
 
 
 def hang_run(tmp: Path, funcs: dict[str, str], timeout: float) -> tuple[Path, list[Path]]:
-    from nodeops.launch import stacks as S
-
     jobs = {n: RANK_JOB.format(rank=i, func=f, python=sys.executable) for i, (n, f) in enumerate(funcs.items())}
     chief, dirs = make_run(tmp, jobs)
     for d in dirs:  # what start.sh does on every host

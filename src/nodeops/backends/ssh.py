@@ -303,7 +303,7 @@ def run_job(
         how = "stopped on request (nodeops stop)" if res.stopped_elsewhere else "interrupted"
         raise ExitWith(res.exit_code, f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}")
     if res.hang is not None:
-        report_hang(store.find(run_id), res.hang, sink)
+        report_hang(job, res.hang, sink)
         took = f" in {res.teardown_seconds:.1f}s" if res.teardown_seconds is not None else ""
         sink.note(f"==> the supervisor stopped every rank{took}; {teardown_summary(res.teardown_problems)}")
         raise ExitWith(res.exit_code)
