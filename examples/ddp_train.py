@@ -81,6 +81,10 @@ def main() -> int:
     flat = torch.cat([p.detach().flatten() for p in model.parameters()]).tolist()  # no numpy needed
     digest = hashlib.sha256(repr(flat).encode()).hexdigest()
     print(f"final param hash {digest[:16]}", flush=True)
+    # Every rank reaches this point before any tears gloo down: a rank that destroys its
+    # process group while a peer's gloo thread still talks to it can abort the peer
+    # ("terminate called without an active exception") and fail a run that was done.
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 
