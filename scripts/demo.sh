@@ -10,9 +10,9 @@ bash scripts/ensure-docker.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
 wheels=.cache/wheelhouse-torch
-if [ ! -e "$wheels/.complete" ]; then
-  echo "==> downloading torch 2.13.0 (CPU) and its dependencies into $wheels (once; the nodes have no internet)"
-  python -m pip download -q torch==2.13.0 -d "$wheels" && touch "$wheels/.complete"
+if [ ! -e "$wheels/.complete-2" ]; then
+  echo "==> downloading torch 2.13.0 (CPU), numpy, py-spy and their dependencies into $wheels (once; the nodes have no internet)"
+  python -m pip download -q torch==2.13.0 numpy py-spy -d "$wheels" && touch "$wheels/.complete-2"
 fi
 
 echo "==> nodeops sandbox up -n 3"
@@ -22,7 +22,7 @@ mkdir -p "$demo/project"
 cp examples/ddp_train.py "$demo/project/"
 { cat "$sandbox_spec"; cat <<YAML
 python:
-  packages: ["torch==2.13.0"]
+  packages: ["torch==2.13.0", numpy]
   wheelhouse: $PWD/$wheels
 workdir:
   path: /srv/demo
@@ -38,7 +38,7 @@ nodeops setup "$demo/cluster.yaml"
 echo "==> nodeops check $demo/cluster.yaml"
 nodeops check "$demo/cluster.yaml"
 echo "==> nodeops launch $demo/cluster.yaml -- ddp_train.py --steps 10"
-nodeops launch "$demo/cluster.yaml" -- ddp_train.py --steps 10 2>&1 | grep -v -E "UserWarning|_conversion_method"
+nodeops launch "$demo/cluster.yaml" -- ddp_train.py --steps 10
 echo
 echo "Every rank printed the same final param hash above. The sandbox is still up:"
 echo "  .venv/bin/nodeops sandbox status / .venv/bin/nodeops sandbox down"

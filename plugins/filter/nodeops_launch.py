@@ -92,6 +92,7 @@ def nodeops_launch_run(
     python: str = "python3",
     env: Mapping[str, Any] | None = None,
     forward_env: Sequence[str] = (),
+    flight_recorder: bool = False,
 ) -> dict[str, Any]:
     problems: list[str] = []
     hosts = list(hosts)
@@ -149,7 +150,8 @@ def nodeops_launch_run(
     plan = _plan.plan(nodes, [str(a) for a in argv], run_id, runner=runner, rdzv=rdzv, master_port=int(master_port),
                       rdzv_port=int(rdzv_port), max_restarts=int(max_restarts), socket_ifname=socket_ifname or None,
                       env_names=names, script=script or None, shim_path=f"{rdir}/mpi_shim.sh",
-                      hostfile_path=_home(hostfile), python=python)  # fmt: skip
+                      hostfile_path=_home(hostfile), python=python,
+                      flight_recorder=bool(flight_recorder))  # fmt: skip
     if conda_env:
         activate = f"source {_shell.sh_path(conda_base)}/etc/profile.d/conda.sh && conda activate {_shell.sh_word(conda_env)}"
     else:

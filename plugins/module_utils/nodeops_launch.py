@@ -53,6 +53,7 @@ def plan(
     shim_path: str = "",
     hostfile_path: str = "",
     python: str = "python3",
+    flight_recorder: bool = False,
 ) -> list[dict[str, Any]]:
     """Per-host launches, in node-rank order: ``{host, address, node_rank, nproc, argv, env}``.
 
@@ -63,6 +64,8 @@ def plan(
     ``script``: a bash script that calls ``$NODEOPS_RUNNER train.py ...`` (madengine's style).
     ``shim_path`` (the MPI shim on every node) and ``hostfile_path`` (DeepSpeed's, on the
     chief) may hold ``@@HOME@@``: the job script turns it into the host's ``"$HOME"``.
+    ``flight_recorder``: every rank gets ``NODEOPS_FLIGHT_RECORDER=1`` (mpirun forwards it), and
+    the ranks' hook sets PyTorch's NCCL flight-recorder variables the env does not already set.
     """
     if runner not in RUNNERS:
         raise ValueError(f"runner {runner!r}: use one of {', '.join(RUNNERS)}")
@@ -77,6 +80,8 @@ def plan(
         # and nothing reaches `nodeops launch`/`logs -f` until the job exits.
         "PYTHONUNBUFFERED": "1",
     }
+    if flight_recorder:  # the ranks' hook turns on PyTorch's NCCL flight recorder (stacks.HOOK)
+        base_env["NODEOPS_FLIGHT_RECORDER"] = "1"
 
     def entry(prefix: list[str]) -> list[str]:
         return ["bash", script, *user_argv] if script else [*prefix, *user_argv]

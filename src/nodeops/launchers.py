@@ -73,6 +73,7 @@ def plan(
         _nodes(spec), user_argv, run_id, runner=lc.runner, rdzv=rendezvous(spec), master_port=lc.master_port,
         rdzv_port=lc.rdzv_port, max_restarts=lc.max_restarts, socket_ifname=socket_ifname, env_names=env_names,
         script=script, shim_path=shim_path, hostfile_path=hostfile_path, python=python,
+        flight_recorder=spec.flight_recorder(),
     )  # fmt: skip
     return [HostLaunch(h["host"], h["address"], h["node_rank"], h["nproc"], h["argv"], h["env"]) for h in hosts]
 

@@ -61,6 +61,7 @@ class HostResult:
     task: str = ""  # the task this host is on (for progress) or last ran
     errors: list[str] = field(default_factory=list)
     diffs: list[str] = field(default_factory=list)  # unified diffs of changed files (--diff)
+    warnings: list[str] = field(default_factory=list)  # tasks whose failure a role allows (ignore_errors)
     in_play: bool = False  # False for hosts --limit left out
 
     @property
@@ -288,8 +289,9 @@ def run_playbook(
                 hr.in_play = True
             elif name == "runner_on_ok" and diff and (data.get("res") or {}).get("changed"):
                 hr.diffs += unified_diffs(data.get("task", ""), (data.get("res") or {}).get("diff"))
-            elif name == "runner_on_failed" and not data.get("ignore_errors"):
-                hr.errors.append(f"{data.get('task', '')}: {_event_error(data.get('res') or {})}")
+            elif name == "runner_on_failed":
+                said = f"{data.get('task', '')}: {_event_error(data.get('res') or {})}"
+                (hr.warnings if data.get("ignore_errors") else hr.errors).append(said)
             elif name == "runner_on_unreachable":
                 hr.errors.append(f"unreachable: {unreachable_error(data.get('res') or {}, host_vars[host], host)}")
             if on_update:

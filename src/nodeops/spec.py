@@ -321,6 +321,12 @@ class PythonSpec(_Model):
     wheelhouse: str | None = Field(
         None, description="Controller dir of wheels, synced to the nodes and installed with --no-index."
     )
+    py_spy: bool | None = Field(
+        None,
+        description="py-spy in the env, for `nodeops stacks` and the hang watchdog (read a rank's stack without "
+        "stopping it). Default: installed where it can be (from the wheelhouse when one is given), with a warning "
+        "where it cannot (stacks then use the ranks' signal hook); true: setup fails without it; false: not installed.",
+    )
 
     @field_validator("venv")
     @classmethod
@@ -524,6 +530,14 @@ class LaunchSpec(_Model):
         description="The hang watchdog: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for this "
         "long, every rank's stack is taken, the stuck ranks are named and the run stops as hung (exit 124). "
         "Seconds, or 90s, 10m, 1h; off unless set (0 is off too). --hang-timeout overrides it.",
+    )
+
+    flight_recorder: bool | None = Field(
+        None,
+        description="PyTorch's NCCL flight recorder: every rank gets TORCH_NCCL_TRACE_BUFFER_SIZE=2000, "
+        "TORCH_NCCL_DUMP_ON_TIMEOUT=1 and a dump file in the run dir (each unless env or network.nccl sets it), so a "
+        "collective timeout leaves one dump per rank; a failed or hung run's dumps are copied into its record. "
+        "Default: on when a node lists GPUs (gpus: [...] or auto); ssh backend.",
     )
 
     @field_validator("hang_timeout", mode="before")
@@ -732,6 +746,12 @@ class ResourceSpec(_Model):
 
     def alias(self, node: Node) -> str:
         return node.name or node.address
+
+    def flight_recorder(self) -> bool:
+        """launch.flight_recorder, else on when any node lists GPUs (NCCL runs)."""
+        if self.launch.flight_recorder is not None:
+            return self.launch.flight_recorder
+        return any(n.gpus == "auto" or bool(n.gpus) for n in self.nodes)
 
 
 # --------------------------------------------------------------------------- a loaded spec

@@ -9,11 +9,13 @@ one host fails (or on Ctrl-C/SIGTERM) runs ``kill.sh`` on every host at once.
 
 from __future__ import annotations
 
+import io
 import json
 import queue
 import re
 import signal
 import subprocess
+import tarfile
 import threading
 import time
 from collections import deque
@@ -136,6 +138,35 @@ def fetch_file(ssh_config: Path, host: str, run_id: str, name: str, dest: Path) 
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_bytes(p.stdout)
     return True
+
+
+def fetch_flight(job: Job) -> dict[str, int]:
+    """PyTorch's flight-recorder dumps (the run dir's ``flight/`` on each host) copied into the
+    run's record, ``flight/<host>/``: host -> how many files came (hosts with none left out).
+    One tar stream per host; only plain files are taken, and none may leave the dest dir."""
+    src = sh_word(f"{remote_dir(job.run_id)}/{S.FLIGHT_DIR}")
+    cmd = f'cd {src} 2>/dev/null || exit 0; set -- *; [ -e "$1" ] || exit 0; exec tar -cf - -- "$@"'
+
+    def one(host: str) -> int:
+        try:
+            p = subprocess.run(ssh_argv(job.ssh_config, host, cmd), capture_output=True, timeout=120, check=False)
+        except subprocess.TimeoutExpired:
+            return 0
+        if p.returncode != 0 or not p.stdout:
+            return 0
+        dest = job.dir / S.FLIGHT_DIR / host
+        n = 0
+        try:
+            with tarfile.open(fileobj=io.BytesIO(p.stdout), mode="r:") as tar:
+                members = [m for m in tar.getmembers() if m.isfile()]
+                dest.mkdir(parents=True, exist_ok=True)
+                tar.extractall(dest, members=members, filter="data")
+                n = len(members)
+        except (tarfile.TarError, OSError):
+            return n
+        return n
+
+    return {h: n for h, n in fan_out(job.kill_hosts, one).items() if n}
 
 
 def take_stacks(job: Job, native: bool = False, method: str = "auto") -> tuple[list[dict[str, Any]], dict[str, str]]:

@@ -43,14 +43,15 @@ def sandbox_cluster() -> Iterator[sandbox.Sandbox]:
 
 
 def wheelhouse() -> Path:
-    """torch 2.13.0 (CPU, from this machine's pip cache), py-spy (for `nodeops stacks`) and their
-    dependencies, downloaded once."""
-    if not (WHEELHOUSE / ".complete-2").exists():
+    """torch 2.13.0 (CPU, from this machine's pip cache), numpy (torch warns on import without
+    it), py-spy (setup installs it by default, for `nodeops stacks`) and their dependencies,
+    downloaded once."""
+    if not (WHEELHOUSE / ".complete-3").exists():
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "torch==2.13.0", "py-spy", "-d", str(WHEELHOUSE)],
+            [sys.executable, "-m", "pip", "download", "-q", "torch==2.13.0", "numpy", "py-spy", "-d", str(WHEELHOUSE)],
             check=True, timeout=900,
         )  # fmt: skip
-        (WHEELHOUSE / ".complete-2").touch()
+        (WHEELHOUSE / ".complete-3").touch()
     return WHEELHOUSE
 
 
@@ -80,7 +81,7 @@ def project(sandbox_cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathF
         "  IT_SECRET: {from_env: NODEOPS_IT_SECRET, secret: true}\n"
         "python:\n"
         "  venv: ~/.venvs/train\n"
-        "  packages: ['torch==2.13.0', py-spy]\n"
+        "  packages: ['torch==2.13.0', numpy]\n"  # py-spy: setup installs it by default
         f"  wheelhouse: {wheelhouse()}\n"
         "workdir:\n"
         f"  path: {WORKDIR}\n"

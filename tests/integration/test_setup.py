@@ -286,3 +286,38 @@ def test_full_mesh_lets_every_node_reach_every_node(
         for dst in sandbox_cluster.nodes:
             q = ssh(sandbox_cluster, src, f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {dst.address} uname -n")
             assert q.returncode == 0 and q.stdout.strip() == dst.name, f"{src} -> {dst.name}: {q.stderr}"
+
+
+def test_setup_installs_py_spy_by_default(sandbox_cluster: sandbox.Sandbox, first_run: object) -> None:
+    """The project's spec does not list py-spy: setup puts it in the env (from the wheelhouse),
+    for `nodeops stacks` and the hang watchdog."""
+    for node in sandbox_cluster.nodes:
+        p = ssh(sandbox_cluster, node.name, "~/.venvs/train/bin/py-spy --version")
+        assert p.returncode == 0 and p.stdout.startswith("py-spy "), (node.name, p.stdout, p.stderr)
+
+
+def test_py_spy_that_cannot_be_installed_is_a_warning_unless_the_spec_requires_it(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object, tmp_path: Path
+) -> None:
+    """An offline wheelhouse without py-spy: setup says so on every host and goes on (stacks use
+    the ranks' signal hook); with python.py_spy: true it fails there instead."""
+    (tmp_path / "wheels").mkdir()
+    text = (project / "cluster.yaml").read_text()
+    text = text.replace("venv: ~/.venvs/train", "venv: ~/.venvs/bare", 1)
+    text = re.sub(r"packages: \[.*\]", "packages: []", text)
+    text = re.sub(r"wheelhouse: .*", f"wheelhouse: {tmp_path / 'wheels'}", text)
+    spec = tmp_path / "bare.yaml"
+    try:
+        spec.write_text(text)
+        p = setup(spec, "--tags", "python_env", env={"NODEOPS_IT_SECRET": SECRET})
+        assert p.returncode == 0, p.stderr[-3000:]
+        for node in ("node1", "node2", "node3"):
+            assert re.search(rf"{node}: warning: Install the tools .*py-spy", p.stderr), p.stderr[-3000:]
+        spec.write_text(text.replace("venv: ~/.venvs/bare", "venv: ~/.venvs/bare\n  py_spy: true", 1))
+        p = setup(spec, "--tags", "python_env", env={"NODEOPS_IT_SECRET": SECRET})
+        assert p.returncode != 0, p.stderr[-3000:]
+        assert re.search(r"node\d: Install the tools .*py-spy", p.stderr), p.stderr[-3000:]
+        assert "warning: Install the tools" not in p.stderr
+    finally:
+        for node in sandbox_cluster.nodes:
+            ssh(sandbox_cluster, node.name, "rm -rf ~/.venvs/bare")

@@ -12,7 +12,7 @@ import pytest
 
 from nodeops import sandbox
 
-from .test_launch import CLEAN, _cli, controller_leftovers, launch, no_leftovers_within
+from .test_launch import CLEAN, _cli, controller_leftovers, launch, no_leftovers_within, variant_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -119,3 +119,33 @@ def test_a_quiet_run_that_touches_its_progress_file_is_not_stopped(project: Path
                "--quiet-step", "1", "--quiet-for", "20")  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert "HUNG" not in p.stderr and "every host exited 0" in p.stderr
+
+
+# What PyTorch does when a collective times out with the flight recorder on: each rank writes
+# its trace to $TORCH_FR_DUMP_TEMP_FILE<rank>. Written here by hand: gloo has no flight recorder,
+# and a real NCCL timeout needs GPUs (untested live; see tests/unit/test_flight_recorder.py).
+FLIGHT_RANK = """\
+import os, sys, time
+rank = os.environ["RANK"]
+with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + rank, "w") as f:
+    f.write("trace of rank " + rank + " size " + os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
+time.sleep(2)
+if rank == "1":
+    sys.exit(3)
+time.sleep(300)
+"""
+
+
+def test_a_failed_runs_flight_recorder_dumps_are_collected(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object, tmp_path: Path
+) -> None:
+    spec = variant_spec(project, tmp_path / "flight.yaml", extra="launch: {flight_recorder: true}\n")
+    # torchrun --no-python: the ranks run python3 -c (nothing to add to the synced workdir)
+    p = launch(spec, "--", "--no-python", "python3", "-c", FLIGHT_RANK)
+    assert p.returncode == 1, p.stderr[-3000:]  # torchrun exits 1 when a worker fails
+    m = re.search(r"NCCL flight recorder dumps \(3 from ([^)]*)\): (\S+)", p.stderr)
+    assert m, p.stderr[-3000:]
+    assert sorted(m.group(1).split(", ")) == ["node1", "node2", "node3"]
+    got = {f.parent.name + "/" + f.name: f.read_text() for f in Path(m.group(2)).glob("*/*")}
+    assert got == {f"node{r + 1}/rank_{r}": f"trace of rank {r} size 2000" for r in range(3)}, got
+    assert no_leftovers_within(sandbox_cluster, 10) == CLEAN

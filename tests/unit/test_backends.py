@@ -179,6 +179,8 @@ CLI_OPTIONS: Mapping[str, list[str]] = {
     "sync": ["--sync"],
     "hang": ["--hang-timeout", "10m"],
 }
+# Capabilities asked for in the spec rather than on the command line.
+SPEC_OPTIONS: Mapping[str, str] = {"flight_recorder": "launch:\n  flight_recorder: true\n"}
 
 
 def spec_for(name: str, tmp_path: Path) -> Path:
@@ -191,7 +193,7 @@ def spec_for(name: str, tmp_path: Path) -> Path:
 
 
 def test_every_option_a_capability_needs_is_listed() -> None:
-    assert set(CLI_OPTIONS) == set(OPTION_OF)
+    assert set(CLI_OPTIONS) | set(SPEC_OPTIONS) == set(OPTION_OF)
     assert set(OPTION_OF) < {f.name for f in dataclasses.fields(Capabilities)}
 
 
@@ -219,6 +221,13 @@ def test_the_cli_refuses_exactly_what_a_backend_lacks(
     for cap, opts in CLI_OPTIONS.items():
         # --dry-run: an accepted option changes nothing and reaches no host
         r = CliRunner().invoke(app, ["launch", "--dry-run", *opts, str(spec), "train.py"])
+        refused = f"cannot be used with backend: {name} (nothing was run)" in r.output
+        assert refused == (not caps[cap]), (name, cap, r.output)
+        assert r.exit_code == (2 if refused else 0), (name, cap, r.output)
+    for cap, text in SPEC_OPTIONS.items():
+        asking = tmp_path / f"{cap}.yaml"
+        asking.write_text(spec.read_text() + text)
+        r = CliRunner().invoke(app, ["launch", "--dry-run", str(asking), "train.py"])
         refused = f"cannot be used with backend: {name} (nothing was run)" in r.output
         assert refused == (not caps[cap]), (name, cap, r.output)
         assert r.exit_code == (2 if refused else 0), (name, cap, r.output)

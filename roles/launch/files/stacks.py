@@ -15,6 +15,9 @@ Two methods, and each rank's dump says which one gave it:
   environment and this run's ``NODEOPS_RUN_ID``), writing to ``stacks/<pid>.txt``. The signal
   is only ever sent to a pid that registered (its file exists): a real-time signal that no
   training stack uses, so nothing else can be disturbed by it.
+
+The same hook turns on PyTorch's NCCL flight recorder when the launch asks for it
+(``NODEOPS_FLIGHT_RECORDER=1``): a collective timeout then leaves ``flight/rank_N`` here.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 SIGNAL_OFFSET = 7  # SIGRTMIN + 7: the hook's signal (also in HOOK below)
 STACKS_DIR = "stacks"  # in the run dir: <pid>.txt, what faulthandler wrote for each rank
 HOOK_DIR = "hook"  # in the run dir: sitecustomize.py, first on the ranks' PYTHONPATH
+FLIGHT_DIR = "flight"  # in the run dir: PyTorch's flight-recorder dumps (rank_N), when asked for
 MARK = "@@nodeops-stack "  # agent.py stacks: one JSON document per rank, on this prefix
 NONE_MARK = "@@nodeops-stack-none "  # agent.py stacks: no rank of the run runs here (why)
 METHODS = ("auto", "py-spy", "signal")
@@ -49,11 +53,28 @@ def _nodeops_stack_hook():
     run_dir = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     if _os.environ.get("NODEOPS_RUN_ID") != _os.path.basename(run_dir) or "RANK" not in _os.environ:
         return None
+    if _os.environ.get("NODEOPS_FLIGHT_RECORDER") == "1":
+        _nodeops_flight_recorder(run_dir)
     d = _os.path.join(run_dir, "stacks")
     _os.makedirs(d, exist_ok=True)
     f = open(_os.path.join(d, "%d.txt" % _os.getpid()), "a")
     faulthandler.register(signal.SIGRTMIN + 7, file=f, all_threads=True, chain=False)
     return f
+
+
+def _nodeops_flight_recorder(run_dir):
+    # PyTorch's NCCL flight recorder (read when the rank creates its NCCL process group, after
+    # this): each variable only where the env (the spec's env, network.nccl) does not set it,
+    # under its old and its new name alike, so either spelling the user chose wins.
+    env = _os.environ
+    size = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "2000"
+    d = _os.path.join(run_dir, "flight")
+    _os.makedirs(d, exist_ok=True)
+    dump = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or _os.path.join(d, "rank_")
+    for k, v in (("TORCH_FR_BUFFER_SIZE", size), ("TORCH_NCCL_TRACE_BUFFER_SIZE", size),
+                 ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+                 ("TORCH_FR_DUMP_TEMP_FILE", dump), ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", dump)):
+        env.setdefault(k, v)
 
 
 def _nodeops_chain():

@@ -52,6 +52,7 @@ class Capabilities:
     preflight: bool  # the preflight before a launch (--no-check skips it)
     hang: bool = False  # launch --hang-timeout / launch.hang_timeout: the hang watchdog
     stacks: bool = False  # nodeops stacks RUN_ID (a command of its own, refused by lifecycle.control)
+    flight_recorder: bool = False  # launch.flight_recorder: true (its default, GPUs, is on only where declared)
 
 
 # The option that needs each capability, as the user types it (one wording on every backend).
@@ -62,6 +63,7 @@ OPTION_OF: Mapping[str, str] = {
     "fabric": "--fabric-check",
     "sync": "--sync",
     "hang": "--hang-timeout (launch.hang_timeout)",
+    "flight_recorder": "launch.flight_recorder: true",
 }
 
 

@@ -20,6 +20,7 @@ from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, 
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import ignoring_interrupts, sigterm_as_interrupt
 from nodeops.launch import protocol as P
+from nodeops.launch import stacks as S
 from nodeops.launchers import HostLaunch
 from nodeops.quoting import sh_word
 from nodeops.render import inventory, ssh_config
@@ -171,6 +172,20 @@ def report_hang(job: store.Job, hang: dict[str, Any], sink: Sink) -> None:
         sink.note(f"    every rank's stack: {P.HANG} in the run dir on {job.chief} (could not copy it here)")
 
 
+FLIGHT = "flight_recorder"  # in an ssh run's handle: the ranks had PyTorch's NCCL flight recorder on
+
+
+def report_flight(job: store.Job, sink: Sink) -> None:
+    """A failed or hung run's flight-recorder dumps (a collective timeout leaves one per rank),
+    copied into its record, and where they are."""
+    if job.handle.get(FLIGHT) != "1":
+        return
+    got = ssh_run.fetch_flight(job)
+    if got:
+        sink.note(f"    NCCL flight recorder dumps ({sum(got.values())} from {', '.join(got)}): "
+                  f"{job.dir / S.FLIGHT_DIR}")  # fmt: skip
+
+
 def keep_verdict(local: Path, res: ssh_run.JobResult) -> store.Verdict | None:
     """An attached run's verdict, kept in its record: the outcome, the host that started a
     failure (as the follower judged it), the code by the one rule, and the supervisor's own
@@ -242,7 +257,8 @@ def run_job(
     chief = s.alias(s.chief)
     job = store.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
                    spec=str(spec_path.resolve()), started=time.time(), rank_hosts=rank_hosts,
-                   all_hosts=all_hosts, pdsh_hosts=pdsh_hosts)  # fmt: skip
+                   all_hosts=all_hosts, pdsh_hosts=pdsh_hosts,
+                   handle={FLIGHT: "1"} if s.flight_recorder() else {})  # fmt: skip
     # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
     store.mark_starting(local)
     job.save()
@@ -304,6 +320,7 @@ def run_job(
         raise ExitWith(res.exit_code, f"==> run {run_id} {how}; {teardown_summary(res.teardown_problems)}")
     if res.hang is not None:
         report_hang(job, res.hang, sink)
+        report_flight(job, sink)
         took = f" in {res.teardown_seconds:.1f}s" if res.teardown_seconds is not None else ""
         sink.note(f"==> the supervisor stopped every rank{took}; {teardown_summary(res.teardown_problems)}")
         raise ExitWith(res.exit_code)
@@ -326,6 +343,7 @@ def run_job(
                       f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
         else:
             sink.note(f"==> {teardown_summary(res.teardown_problems)}")
+        report_flight(job, sink)
         raise ExitWith(res.exit_code)
     if res.teardown_problems:
         raise ExitWith(EXIT_FAILURE, f"==> run {run_id}: every host exited 0, but "
@@ -366,7 +384,7 @@ class SshBackend(Backend):
     name: ClassVar[str] = "ssh"
     capabilities: ClassVar[Capabilities] = Capabilities(
         runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, via_ansible=True, script=True,
-        fabric=True, sync=True, preflight=True, hang=True, stacks=True,
+        fabric=True, sync=True, preflight=True, hang=True, stacks=True, flight_recorder=True,
     )  # fmt: skip
 
     def summary(self, loaded: LoadedSpec) -> str:
@@ -395,6 +413,8 @@ class SshBackend(Backend):
             sink.note(f"run {job.run_id}: {store.describe(verdict)}")
             if verdict.get("outcome") == "hung" and verdict.get("hang"):
                 report_hang(job, verdict["hang"], sink)
+            if verdict.get("outcome") in ("failed", "hung"):
+                report_flight(job, sink)
         bad = [h for h, s in states.items() if not (s.startswith("running") or s in ("exited 0", "idle"))]
         if bad:
             raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: not ok on {', '.join(bad)}")

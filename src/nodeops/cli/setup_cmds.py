@@ -60,6 +60,8 @@ def print_summary(result: RunResult, title: str, verbose: int = 0) -> None:
                       f"[{color}]{hr.status}[/]")  # fmt: skip
     console.print(table)
     for hr in result.hosts.values():
+        for w in hr.warnings:
+            console.print(f"[yellow]{hr.host}[/]: warning: {w}", highlight=False)
         for e in hr.errors:
             console.print(f"[red]{hr.host}[/]: {e}", highlight=False)
     left_out = [hr.host for hr in result.hosts.values() if not hr.in_play]

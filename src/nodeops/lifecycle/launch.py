@@ -15,10 +15,13 @@ from nodeops.spec import ResourceSpec
 
 def refuse_unsupported(backend: Backend, request: LaunchRequest, spec: ResourceSpec | None = None) -> None:
     """Every option the spec's backend does not declare, refused at once (exit 2, nothing run);
-    the spec's own launch.hang_timeout too, unless --hang-timeout 0 turns it off."""
+    the spec's own launch.hang_timeout too, unless --hang-timeout 0 turns it off, and its
+    launch.flight_recorder: true."""
     asked = request.asked()
     if spec is not None and request.hang_timeout is None and spec.launch.hang_timeout:
         asked["hang"] = True
+    if spec is not None and spec.launch.flight_recorder:
+        asked["flight_recorder"] = True
     bad = backend.refusals(asked)
     if bad:
         raise UsageError(f"{', '.join(bad)} cannot be used with backend: {backend.name} (nothing was run)")

@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Benchmark: the hang watchdog and `nodeops stacks`, on 4 sandbox nodes.
+
+1. Hang -> report -> nothing left. A DDP-like job (gloo all_reduce every 50 ms) in which rank 3
+   (node4) writes time.time() to a file and then blocks forever in `stuck_in_data_loader`,
+   launched attached with `--hang-timeout T`. Measured, each run:
+   - hang -> report: from the rank's hang to the line in which `launch` names the stuck rank.
+     Its floor is T itself (no progress for T seconds is the rule), the baseline measured in
+     the same run; the overhead is what nodeops adds (the watchdog's tick, taking every rank's
+     stack on every host, the report reaching the controller).
+   - report -> nothing left: from that line until no process of the job is left in any
+     container (ps through docker exec, not through nodeops).
+   - which stack method each rank's dump came from (py-spy or the signal hook).
+2. `nodeops stacks` on a healthy running job vs the hand-made baseline it replaces: ssh to every
+   node in parallel and `py-spy dump` each training process there (what users do today). Runs
+   alternate; medians compared.
+
+    python bench/hang_bench.py [--runs 3] [--timeout 10] [--keep]
+
+Needs the torch 2.13.0 CPU wheelhouse with numpy and py-spy in .cache/wheelhouse-torch (the demo
+makes it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from nodeops import sandbox  # noqa: E402
+
+NAME = "benchh"
+SUBNET = "10.219.0.0/24"
+NODEOPS = str(Path(sys.executable).parent / "nodeops")
+WHEELS = ROOT / ".cache" / "wheelhouse-torch"
+HANG = """import sys, time
+import torch, torch.distributed as d
+
+
+def stuck_in_data_loader(marker):
+    open(marker, 'w').write(repr(time.time()))
+    while True:
+        time.sleep(1)
+
+
+d.init_process_group('gloo')
+r = d.get_rank()
+t = torch.ones(1)
+for step in range(10**9):
+    if r == int(sys.argv[1]) and step == int(sys.argv[2]):
+        stuck_in_data_loader(sys.argv[3])
+    d.all_reduce(t)
+    if step % 20 == 0:
+        print(f'step {step}', flush=True)
+    time.sleep(0.05)
+"""
+JOB = re.compile(r"hang\.py|torch\.distributed\.run|job\.sh|agent\.py|supervisor\.py|py-spy")
+RANK_PROC = "python3\\? -u hang.py"  # pgrep -f: torchrun's workers (its agent's line has -m torch...)
+
+
+def sh(*argv: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    p: subprocess.CompletedProcess[str] = subprocess.run(argv, capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload]
+    return p
+
+
+def job_processes(sb: sandbox.Sandbox) -> int:
+    def one(n: sandbox.NodeInfo) -> int:
+        ps = sh("docker", "exec", n.container, "ps", "-eo", "args").stdout.splitlines()
+        return sum(1 for line in ps if JOB.search(line))
+
+    with concurrent.futures.ThreadPoolExecutor(len(sb.nodes)) as pool:
+        return sum(pool.map(one, sb.nodes))
+
+
+def hang_once(sb: sandbox.Sandbox, spec: Path, timeout: float) -> dict[str, object]:
+    marker = f"/tmp/nodeops-bench-hung-{time.time_ns()}"
+    node4 = sb.nodes[3]
+    argv = [NODEOPS, "launch", str(spec), "--no-check", "--hang-timeout", str(timeout), "--",
+            "hang.py", "3", "20", marker]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    reported: list[float] = []
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "stuck: rank 3" in line and not reported:
+                reported.append(time.time())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    hung_at = None
+    deadline = time.monotonic() + 180
+    while hung_at is None and time.monotonic() < deadline:
+        got = sh("docker", "exec", node4.container, "cat", marker).stdout.strip()
+        hung_at = float(got) if got else None
+        time.sleep(0.1)
+    if hung_at is None:
+        proc.kill()
+        raise SystemExit("rank 3 never hung:\n" + "".join(lines[-30:]))
+    while not reported and proc.poll() is None:
+        time.sleep(0.05)
+    if not reported:
+        raise SystemExit("launch ended without naming rank 3:\n" + "".join(lines[-30:]))
+    while job_processes(sb):
+        if time.time() - reported[0] > 60:
+            raise SystemExit("job processes still alive 60 s after the report")
+    gone = time.time()
+    proc.wait(timeout=120)
+    reader.join(timeout=5)
+    sh("docker", "exec", node4.container, "rm", "-f", marker)
+    if proc.returncode != 124:
+        raise SystemExit(f"launch exited {proc.returncode}, not 124:\n" + "".join(lines[-30:]))
+    run_id = re.search(r"==> run (\S+): starting", "".join(lines))
+    assert run_id is not None
+    hang = json.loads((Path.home() / ".nodeops" / "jobs" / run_id.group(1) / "stacks" / "hang.json").read_text())
+    methods = sorted({d["method"] for d in hang["dumps"]})
+    return {"report": reported[0] - hung_at, "gone": gone - reported[0], "methods": methods}
+
+
+def stacks_vs_by_hand(sb: sandbox.Sandbox, spec: Path, runs: int) -> dict[str, list[float]]:
+    p = sh(NODEOPS, "launch", str(spec), "--no-check", "--detach", "--", "hang.py", "-1", "-1", "/dev/null")
+    if p.returncode != 0:
+        raise SystemExit(p.stderr[-2000:])
+    run_id = p.stdout.strip().splitlines()[-1]
+    by_hand = f"for p in $(pgrep -f '{RANK_PROC}'); do ~/.venvs/bench/bin/py-spy dump --pid $p || exit 1; done"
+    times: dict[str, list[float]] = {"ssh + py-spy dump by hand": [], "nodeops stacks": []}
+    try:
+        time.sleep(15)  # every rank up
+        for i in range(runs + 1):  # the first round warms ssh's sockets and the page cache: not counted
+            t = time.monotonic()
+            with concurrent.futures.ThreadPoolExecutor(len(sb.nodes)) as pool:
+                outs = list(pool.map(lambda n: sh("ssh", "-F", str(sb.ssh_config), n.name, by_hand), sb.nodes))
+            hand = time.monotonic() - t
+            if any(o.returncode for o in outs):
+                raise SystemExit("by hand: " + "; ".join(o.stderr.strip()[-300:] for o in outs if o.returncode))
+            t = time.monotonic()
+            got = sh(NODEOPS, "stacks", run_id, "--json")
+            ours = time.monotonic() - t
+            if got.returncode != 0 or len(json.loads(got.stdout)["methods"]) != 4:
+                raise SystemExit("nodeops stacks: " + got.stderr[-1000:])
+            if i:
+                times["ssh + py-spy dump by hand"].append(hand)
+                times["nodeops stacks"].append(ours)
+                print(f"    stacks {i}: by hand {hand:5.2f}s, nodeops stacks {ours:5.2f}s", flush=True)
+    finally:
+        sh(NODEOPS, "stop", run_id)
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=10.0, help="--hang-timeout for the hung runs (seconds)")
+    ap.add_argument("--keep", action="store_true", help="leave the bench sandbox up")
+    args = ap.parse_args()
+    if not list(WHEELS.glob("py_spy-*.whl")):
+        raise SystemExit(f"no py-spy wheel in {WHEELS}; run scripts/demo.sh once (or pip download torch==2.13.0 "
+                         "numpy py-spy -d .cache/wheelhouse-torch)")  # fmt: skip
+    sb = sandbox.up(name=NAME, n=4, subnet=SUBNET, say=lambda m: print(f"==> {m}", flush=True))
+    try:
+        with tempfile.TemporaryDirectory(prefix="nodeops-bench-") as tmp:
+            work = Path(tmp)
+            (work / "project").mkdir()
+            (work / "project" / "hang.py").write_text(HANG)
+            spec = work / "cluster.yaml"
+            spec.write_text(sb.spec_path.read_text() + (
+                f"python: {{venv: ~/.venvs/bench, packages: ['torch==2.13.0', numpy], wheelhouse: {WHEELS}}}\n"
+                f"workdir: {{path: /srv/bench, source: {work / 'project'}}}\n"
+                "network: {ib: 'off'}\nenv: {OMP_NUM_THREADS: 1}\n"
+            ))  # fmt: skip
+            print("==> nodeops setup (not timed; installs py-spy by default)", flush=True)
+            s = sh(NODEOPS, "setup", str(spec))
+            if s.returncode != 0:
+                raise SystemExit(s.stderr[-3000:])
+            results = []
+            for i in range(args.runs):
+                r = hang_once(sb, spec, args.timeout)
+                results.append(r)
+                print(f"    hang {i + 1}: reported {r['report']:5.2f}s after the hang, nothing left "
+                      f"{r['gone']:5.2f}s after the report, methods {r['methods']}", flush=True)  # fmt: skip
+            stacks = stacks_vs_by_hand(sb, spec, args.runs)
+    finally:
+        if not args.keep:
+            sandbox.down(NAME)
+    report = statistics.median(float(r["report"]) for r in results)  # type: ignore[arg-type]
+    gone = statistics.median(float(r["gone"]) for r in results)  # type: ignore[arg-type]
+    print(f"\nhang watchdog on 4 nodes, --hang-timeout {args.timeout:g}s, {args.runs} runs (median):")
+    print(f"  hang -> report naming the stuck rank: {report:5.2f}s; baseline (the timeout itself) "
+          f"{args.timeout:g}s; ratio {report / args.timeout:.2f}; overhead {report - args.timeout:5.2f}s")  # fmt: skip
+    print(f"  report -> nothing of the job left on any node: {gone:5.2f}s")
+    print(f"  stack methods used: {sorted({m for r in results for m in r['methods']})}")  # type: ignore[attr-defined]
+    med = {k: statistics.median(v) for k, v in stacks.items()}
+    print("\nevery rank's stack on 4 nodes (median):")
+    for k, v in med.items():
+        print(f"  {k:26} {v:5.2f}s")
+    print(f"  ratio nodeops stacks / by hand: {med['nodeops stacks'] / med['ssh + py-spy dump by hand']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

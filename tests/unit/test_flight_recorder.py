@@ -1,0 +1,81 @@
+"""PyTorch's NCCL flight recorder on GPU runs: the launch asks for it, the ranks' hook sets
+the variables the env leaves unset. The live path (a real NCCL collective timing out and
+PyTorch writing its dumps) needs GPUs and is not tested here; tests/integration/test_stacks.py
+checks that the dump file's path reaches real ranks and that a failed run's dumps are collected."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nodeops import launchers
+from nodeops.launch import stacks as S
+from nodeops.spec_load import load_spec_text
+
+GPU = """
+nodes:
+  - {address: 10.0.0.1, chief: true, gpus: [0, 1]}
+  - {address: 10.0.0.2, gpus: auto}
+"""
+CPU = """
+nodes:
+  - {address: 10.0.0.1, chief: true}
+  - {address: 10.0.0.2}
+"""
+NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+         "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("text", "on"),
+    [(GPU, True), (CPU, False), (GPU + "launch: {flight_recorder: false}\n", False),
+     (CPU + "launch: {flight_recorder: true}\n", True)],
+)  # fmt: skip
+def test_the_launch_asks_for_it_where_the_spec_has_gpus_unless_the_spec_says(text: str, on: bool) -> None:
+    for runner in ("torchrun", "mpirun", "deepspeed"):
+        spec = load_spec_text(text).spec
+        spec = spec.model_copy(update={"launch": spec.launch.model_copy(update={"runner": runner})})
+        plan = launchers.plan(spec, ["train.py"], "20261124-101500-ab12", env_names=["NCCL_DEBUG"])
+        assert all(("NODEOPS_FLIGHT_RECORDER" in h.env) == on for h in plan), (runner, plan)
+        if runner == "mpirun":  # remote ranks get it only through -x
+            argv = plan[0].argv
+            forwarded = {argv[i + 1] for i, a in enumerate(argv) if a == "-x"}
+            assert ("NODEOPS_FLIGHT_RECORDER" in forwarded) == on, argv
+
+
+def rank_env(tmp_path: Path, env: dict[str, str], rank: bool = True) -> dict[str, str | None]:
+    """What a process's os.environ holds once the hook (as start.sh writes it) has run: a rank
+    of the run (RANK set), or another Python process that sees the same PYTHONPATH."""
+    run = tmp_path / "20261124-101500-ab12"
+    (run / S.HOOK_DIR).mkdir(parents=True)
+    (run / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
+    code = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {NAMES!r}}}))"
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(run / S.HOOK_DIR), "NODEOPS_RUN_ID": run.name}
+    base |= {"RANK": "3"} if rank else {}
+    p = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                       check=True, cwd=tmp_path)  # fmt: skip
+    return dict(json.loads(p.stdout))
+
+
+def test_the_hook_sets_each_variable_the_env_leaves_unset(tmp_path: Path) -> None:
+    got = rank_env(tmp_path, {"NODEOPS_FLIGHT_RECORDER": "1"})
+    dump = str(tmp_path / "20261124-101500-ab12" / S.FLIGHT_DIR / "rank_")
+    assert got == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dump,
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}  # fmt: skip
+    assert (tmp_path / "20261124-101500-ab12" / S.FLIGHT_DIR).is_dir()
+
+
+def test_what_the_user_set_wins_under_either_name(tmp_path: Path) -> None:
+    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/fr_"}
+    got = rank_env(tmp_path, {"NODEOPS_FLIGHT_RECORDER": "1", **mine})
+    assert got == {**mine, "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/fr_"}
+
+
+def test_nothing_is_set_unless_asked_or_outside_a_rank(tmp_path: Path) -> None:
+    assert rank_env(tmp_path / "a", {}) == dict.fromkeys(NAMES)
+    assert rank_env(tmp_path / "b", {"NODEOPS_FLIGHT_RECORDER": "1"}, rank=False) == dict.fromkeys(NAMES)
