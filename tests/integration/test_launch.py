@@ -276,6 +276,31 @@ def test_killed_node_fails_the_job_and_is_named(
     assert took < 30
 
 
+def test_a_runner_changed_since_setup_is_refused_until_setup_provides_it(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object, tmp_path: Path
+) -> None:
+    """Issue 25: the same spec file (cluster "cluster"), its runner edited to mpirun after the
+    setup the session ran: launch names the change and the fix, exit 2, and starts nothing;
+    after that fix, the same launch runs."""
+    (tmp_path / "edited").mkdir()
+    spec = variant_spec(project, tmp_path / "edited" / "cluster.yaml", extra="launch: {runner: mpirun}\n")
+    runs_before = set((Path.home() / ".nodeops" / "jobs").iterdir())
+    p = launch(spec, "--", "ddp_train.py", "--steps", "3")
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "the spec changed since the last setup" in p.stderr and "nothing was started" in p.stderr, p.stderr
+    said = "launch.runner: mpirun: needs openmpi-bin, which setup has not installed (on node1, node2, node3)"
+    assert said in p.stderr, p.stderr
+    assert f"fix: nodeops setup {spec} --tags packages" in p.stderr, p.stderr
+    assert set((Path.home() / ".nodeops" / "jobs").iterdir()) == runs_before
+    assert leftovers(sandbox_cluster) == CLEAN
+    s = subprocess.run([NODEOPS, "setup", str(spec), "--tags", "packages"], capture_output=True, text=True,
+                       timeout=900, check=False, env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
+    assert s.returncode == 0, s.stderr[-3000:]
+    p = launch(spec, "--", "ddp_train.py", "--steps", "3")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(re.findall(r"final param hash", p.stdout)) == 3, p.stdout[-2000:]
+
+
 def test_mpirun_3x1_every_rank_reports_the_same_hash(
     sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object, tmp_path: Path
 ) -> None:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nodeops import backends, gpus
+from nodeops import backends, gpus, setup_state
 from nodeops.cli.app import GroupOpt, SpecArg, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
 from nodeops.loading import load_spec
@@ -182,6 +182,10 @@ def setup(
             where = ", ".join(result.bad_hosts) or "the controller"
             fail(f"setup failed on {where} (ansible status {result.status}, rc {result.rc})", EXIT_FAILURE)
         ran = [h for h in result.hosts.values() if h.in_play]
+        if not check:  # what these hosts now have, for `launch`/`check` to compare specs with
+            roles = [r for r in (tag_list or ROLE_TAGS) if r in ROLE_TAGS and r not in skip]
+            if roles:
+                setup_state.record(loaded, [h.host for h in ran], roles)
         err(
             f"setup ok: {len(ran)} host(s), {result.changed} change(s)"
             + (" (check mode: none made)" if check else "")

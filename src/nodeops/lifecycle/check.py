@@ -9,7 +9,7 @@ from nodeops.backends.base import Sink
 from nodeops.check import Report
 from nodeops.errors import ExitWith, NodeopsError, UsageError
 from nodeops.fabric import FabricReport
-from nodeops.lifecycle import load_cluster
+from nodeops.lifecycle import gates, load_cluster
 from nodeops.lifecycle.fabric import run_fabric
 from nodeops.spec import LoadedSpec
 
@@ -21,6 +21,8 @@ def check(spec_path: Path, sink: Sink, *, group: str | None = None, timeout: flo
     backend = backends.for_spec(loaded.spec)
     if fabric and not backend.capabilities.fabric:
         raise UsageError(f"--fabric cannot be used with backend: {backend.name} (nothing was run)")
+    if backend.capabilities.preflight:
+        gates.setup_gate(loaded, "checked")
     return loaded, backend.check(loaded, timeout, sink)
 
 

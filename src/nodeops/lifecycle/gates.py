@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import time
 
-from nodeops import check
+from nodeops import check, setup_state
 from nodeops.backends.base import Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith, UsageError
 from nodeops.render import inventory
 from nodeops.runner import run_playbook
 from nodeops.spec import LoadedSpec
+
+
+def setup_gate(loaded: LoadedSpec, doing: str, skip: str = "") -> None:
+    """Refuse (exit 2, before anything starts) a spec that needs what the last setup on this
+    machine did not give the hosts: a new runner, package, env value, workdir or node."""
+    diffs = setup_state.differences(loaded)
+    if not diffs:
+        return
+    lines = "\n".join(f"  {d.line()}" for d in diffs)
+    raise UsageError(f"{loaded.file}: the spec changed since the last setup, in what setup provides; "
+                     f"nothing was {doing}:\n{lines}\n"
+                     f"  fix: {setup_state.fix(loaded, diffs)}" + (f"  ({skip})" if skip else ""))  # fmt: skip
 
 
 def sync_workdir(loaded: LoadedSpec, sink: Sink) -> None:

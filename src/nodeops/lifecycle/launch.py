@@ -43,6 +43,8 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
         for kind, text in backend.dry_run(loaded, request).entries:
             (sink.out if kind == "out" else sink.note)(text)
         return
+    if request.check and backend.capabilities.preflight:
+        gates.setup_gate(loaded, "started", "--no-check skips this comparison")
     if request.sync:
         gates.sync_workdir(loaded, sink)
     if request.check and backend.capabilities.preflight:
