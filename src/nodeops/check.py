@@ -88,6 +88,21 @@ def ports(spec: ResourceSpec) -> list[int]:
     return out
 
 
+# What each runner needs on a node beyond the Python env, and where it comes from. mpirun starts
+# Open MPI's daemons on every node; DeepSpeed's runner (on the chief) fans out with pdsh.
+RUNNER_COMMANDS: dict[str, dict[str, tuple[str, bool]]] = {
+    "torchrun": {},
+    "mpirun": {"mpirun": ("openmpi-bin, which setup installs (`nodeops setup SPEC --tags packages`)", False)},
+    "deepspeed": {"deepspeed": ("the deepspeed package: add it to python.packages and run setup", True),
+                  "pdsh": ("pdsh, which setup installs (`nodeops setup SPEC --tags packages`)", True)},
+}  # fmt: skip
+
+
+def runner_commands(runner: str, chief: bool) -> list[str]:
+    """The commands the runner needs on this node (the chief's only, where flagged)."""
+    return sorted(c for c, (_, chief_only) in RUNNER_COMMANDS.get(runner, {}).items() if chief or not chief_only)
+
+
 def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script: str | None = None) -> dict[str, Any]:
     """What the chief runs: its listeners, and per node how to reach it and what to probe."""
     spec = loaded.spec
@@ -99,7 +114,8 @@ def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script
         nodes.append({
             "name": spec.alias(node), "address": node.address, "port": group.port, "user": group.username or "",
             "plan": {"workdir": wd, "exclude": workdir.excludes(loaded), "activate": activation(spec, node),
-                     "fast": fast, "env_file": f".nodeops/{loaded.cluster_name}/env.sh", "script": script},
+                     "fast": fast, "env_file": f".nodeops/{loaded.cluster_name}/env.sh", "script": script,
+                     "commands": runner_commands(spec.launch.runner, node is spec.chief)},
         })  # fmt: skip
     out = {"mode": "chief", "nonce": secrets.token_hex(8), "ports": ports(spec), "timeout": timeout,
            "chief_address": spec.chief.address, "nodes": nodes}  # fmt: skip
@@ -226,6 +242,13 @@ def _node_rows(
         else:
             status = FAIL if spec.launch.runner in ("torchrun", "deepspeed") else WARN
             rows.append(Row(h, "torch", status, f"cannot import torch: {env.get('torch_error', '?')}"))
+        for cmd, path in sorted((env.get("commands") or {}).items()):
+            source = RUNNER_COMMANDS.get(spec.launch.runner, {}).get(cmd, ("", False))[0]
+            if path:
+                rows.append(Row(h, "runner", OK, f"{cmd}: {path}"))
+            else:
+                why = f"launch.runner {spec.launch.runner} needs {cmd}, not found after env.sh and the env's activation"
+                rows.append(Row(h, "runner", FAIL, f"{why}; it comes with {source}"))
     rows += _workdir_rows(spec, h, f, v)  # the fast subset too: launch must not run a stale copy
     if fast:
         return rows

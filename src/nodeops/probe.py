@@ -72,6 +72,9 @@ def torch_full():
         out["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else (str(v) if v else None)
     except Exception:  # noqa: BLE001
         out["nccl"] = None
+import shutil
+# the runner's own commands (mpirun, deepspeed, pdsh), looked up as the job would find them
+out["commands"] = {c: shutil.which(c) or "" for c in os.environ.get("NODEOPS_PROBE_COMMANDS", "").split()}
 try:
     (torch_versions if os.environ.get("NODEOPS_PROBE_FAST") == "1" else torch_full)()
 except Exception as e:  # noqa: BLE001
@@ -202,7 +205,11 @@ def env_facts(plan: dict[str, Any]) -> dict[str, Any]:
     if plan.get("activate"):
         script += plan["activate"] + "\n"
     script += 'exec python3 -c "$1"\n'
-    env = dict(os.environ, NODEOPS_PROBE_FAST="1" if plan.get("fast") else "0")
+    env = dict(
+        os.environ,
+        NODEOPS_PROBE_FAST="1" if plan.get("fast") else "0",
+        NODEOPS_PROBE_COMMANDS=" ".join(plan.get("commands") or []),
+    )
     rc, out, err = _run(["bash", "-c", script, "bash", ENV_SCRIPT], 120, env=env)
     for line in out.splitlines():
         if line.startswith(ENV_MARK):

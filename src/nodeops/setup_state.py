@@ -10,8 +10,9 @@ since (a new runner, package, env value, workdir, node) is refused with what cha
 
 What is compared is what the spec *needs*: packages and requirements setup installed stay
 installed, so a record only grows for them (a spec that drops a package still runs); env.sh,
-the NCCL settings, ``.deepspeed_env`` and the mesh are rewritten whole by their role, so those
-must match. Secret env values are never recorded, not even as digests; a changed ``from_env``
+the NCCL settings and ``.deepspeed_env`` must hold what the spec sets, as it sets it (a variable
+setup wrote that the spec no longer sets is not a difference), and every node must be in the
+mesh. Secret env values are never recorded, not even as digests; a changed ``from_env``
 source value is not seen either (its name is). Without a record for the cluster (set up from
 another machine, or by an older nodeops) nothing is compared.
 """
@@ -68,8 +69,11 @@ def needs(loaded: LoadedSpec) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for n in spec.ranked_nodes():
         nccl = {k: _digest(v) for k, v in spec.network.nccl.items()}
-        nccl["(ib)"] = spec.network.ib
-        nccl["(socket_ifname)"] = n.socket_ifname or spec.network.socket_ifname
+        if spec.network.ib == "off":
+            nccl["NCCL_IB_DISABLE"] = _digest("1")
+        ifname = n.socket_ifname or spec.network.socket_ifname
+        if ifname != "auto":
+            nccl["NCCL_SOCKET_IFNAME"] = _digest(ifname)
         out[spec.alias(n)] = {
             "packages": packages,
             "python_env": python,
@@ -159,14 +163,12 @@ def _host_differences(spec_needs: Mapping[str, Any], had: Mapping[str, Any], run
             if path not in (had["shared_path"] or []):
                 out.append(("workdir.path", f"{path} was never set up", "shared_path"))
     if "nccl_env" in had:
-        old_env, new_env = (had["nccl_env"] or {}).get("env", {}), spec_needs["nccl_env"]["env"]
-        changed = sorted(k for k in {*old_env, *new_env} if old_env.get(k) != new_env.get(k))
-        if changed:
-            out.append(("env", f"{', '.join(changed)} changed since setup wrote env.sh", "nccl_env"))
-        old_net, new_net = (had["nccl_env"] or {}).get("network", {}), spec_needs["nccl_env"]["network"]
-        changed = sorted(k.strip("()") for k in {*old_net, *new_net} if old_net.get(k) != new_net.get(k))
-        if changed:
-            out.append(("network", f"{', '.join(changed)} changed since setup wrote env.sh", "nccl_env"))
+        # what the spec sets must be in env.sh as it says; what env.sh has beyond that is left alone
+        for part in ("env", "network"):
+            old, new = (had["nccl_env"] or {}).get(part, {}), spec_needs["nccl_env"][part]
+            changed = sorted(k for k in new if old.get(k) != new[k])
+            if changed:
+                out.append((part, f"{', '.join(changed)} not as setup wrote it in env.sh", "nccl_env"))
     if spec_needs["deepspeed_env"] is not None and had.get("deepspeed_env") != spec_needs["deepspeed_env"]:
         out.append((f"launch.runner: {runner}" if "deepspeed_env" not in had else "env",
                     ".deepspeed_env differs from what setup wrote" if "deepspeed_env" in had

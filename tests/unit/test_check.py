@@ -236,3 +236,37 @@ def test_probe_boots_from_stdin_and_reports_a_real_listener(tmp_path: Path) -> N
     finally:
         taken.close()
     assert f["workdir"] == {"exists": True}  # fast mode: no hash
+
+
+def test_the_runner_s_own_commands_are_looked_for_where_it_needs_them() -> None:
+    assert check.runner_commands("torchrun", chief=True) == []
+    assert check.runner_commands("mpirun", chief=False) == ["mpirun"]  # Open MPI's daemons start on every node
+    assert check.runner_commands("deepspeed", chief=True) == ["deepspeed", "pdsh"]
+    assert check.runner_commands("deepspeed", chief=False) == []
+    loaded = load_spec_text(CPU_SPEC + "launch: {runner: deepspeed}\n")
+    nodes = check.plan(loaded, fast=True)["nodes"]
+    assert [n["plan"]["commands"] for n in nodes] == [["deepspeed", "pdsh"], [], []]
+
+
+def test_a_node_without_mpirun_fails_the_runner_row_naming_where_it_comes_from() -> None:
+    spec = load_spec_text(CPU_SPEC + "launch: {runner: mpirun}\n").spec
+
+    def with_mpirun(path: str) -> dict[str, Any]:
+        f = facts()
+        f["env"] = {**f["env"], "commands": {"mpirun": path}}
+        return f
+
+    rep = check.evaluate(spec, result({"10.0.0.1": with_mpirun("/usr/bin/mpirun"), "10.0.0.2": with_mpirun(""),
+                                       "10.0.0.3": with_mpirun("/usr/bin/mpirun")}), fast=True)  # fmt: skip
+    assert status(rep, "10.0.0.1", "runner") == "ok"
+    (row,) = rows_of(rep, "10.0.0.2", "runner")
+    assert row.status == "fail" and "launch.runner mpirun needs mpirun, not found" in row.detail
+    assert "openmpi-bin, which setup installs (`nodeops setup SPEC --tags packages`)" in row.detail
+    assert rep.exit_code() == 1
+
+
+def test_the_probe_finds_commands_as_the_job_would() -> None:
+    """probe.env_facts for real: bash, the activation, then the env script's lookup (here: no
+    env file, no venv, so this machine's PATH)."""
+    got = probe.env_facts({"commands": ["sh", "nodeops-surely-not-a-command"], "fast": True})
+    assert got["commands"]["sh"].endswith("/sh") and got["commands"]["nodeops-surely-not-a-command"] == ""

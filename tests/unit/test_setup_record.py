@@ -60,7 +60,10 @@ def test_installs_accumulate_what_is_rewritten_must_match() -> None:
     [d] = diffs(BASE.replace("torch==2.13.0", "torch==2.14.0"))
     assert (d.what, d.role) == ("python.packages", "python_env") and "torch==2.14.0" in d.detail
     [d] = diffs(BASE.replace("OMP_NUM_THREADS: 1", "OMP_NUM_THREADS: 4"))
-    assert (d.what, d.role, d.detail) == ("env", "nccl_env", "OMP_NUM_THREADS changed since setup wrote env.sh")
+    assert (d.what, d.role, d.detail) == ("env", "nccl_env", "OMP_NUM_THREADS not as setup wrote it in env.sh")
+    assert diffs(BASE.replace("  OMP_NUM_THREADS: 1\n", "")) == []  # what the spec no longer sets: left alone
+    [d] = diffs(BASE + "network: {ib: 'off'}\n")
+    assert (d.what, d.detail) == ("network", "NCCL_IB_DISABLE not as setup wrote it in env.sh")
     [d] = diffs(BASE.replace("/srv/train", "/srv/other"))
     assert (d.what, d.role) == ("workdir.path", "shared_path")
 
