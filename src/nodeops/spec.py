@@ -26,11 +26,11 @@ from nodeops.errors import SpecIssue
 from nodeops.yamlpos import Located
 
 Port = Annotated[int, Field(ge=1, le=65535)]
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?$"
 )
-_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+_IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}\Z")
 # Keys of an SSH group. If any of them sits directly under ``ssh:`` with a scalar value,
 # the file uses AutoDist's old ungrouped form (<= 2019-11).
 GROUP_KEYS = frozenset({"username", "key_file", "port", "python_venv", "shared_envs", "known_hosts"})
@@ -73,13 +73,13 @@ EnvValue = Annotated[str, BeforeValidator(_scalar_to_str), AfterValidator(_env_v
 
 # Paths and names that reach shells, ssh_config, rsync and fstab: a conservative character set
 # that no renderer needs to quote (they still quote; this is the user-facing refusal, with a line).
-_PATH_CHARS = re.compile(r"^[A-Za-z0-9_./+@,:=-]*$")
-_USERNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}$")
+_PATH_CHARS = re.compile(r"^[A-Za-z0-9_./+@,:=-]*\Z")
+_USERNAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\Z")
 _JUMP_HOP = re.compile(
-    r"^(?:ssh://)?(?:[A-Za-z_][A-Za-z0-9_.-]{0,31}@)?(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?$"
+    r"^(?:ssh://)?(?:[A-Za-z_][A-Za-z0-9_.-]{0,31}@)?(?:[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\])(?::\d{1,5})?\Z"
 )
-_NFS_OPTIONS = re.compile(r"^[A-Za-z0-9_.,=:+/@-]+$")
-_COMMAND = re.compile(r"^[A-Za-z0-9_./+-]+$")
+_NFS_OPTIONS = re.compile(r"^[A-Za-z0-9_.,=:+/@-]+\Z")
+_COMMAND = re.compile(r"^[A-Za-z0-9_./+-]+\Z")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
@@ -221,6 +221,9 @@ class SSHGroup(_Model):
         if v is not None and not all(_jump_hop_ok(hop) for hop in v.split(",")):
             raise _err(f"proxy_jump {v!r} is not [user@]host[:port] (comma-separated hops)",
                        "write e.g. ops@bastion.example:22, or bastion1,bastion2")  # fmt: skip
+        if v is not None and v.lower() == "none":
+            raise _err(f"proxy_jump {v!r} is ssh's keyword for no jump host, not a host",
+                       "leave proxy_jump out for a direct connection")  # fmt: skip
         return v
 
     @field_validator("python_venv")

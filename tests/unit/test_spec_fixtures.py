@@ -11,6 +11,7 @@ import pytest
 
 from nodeops.errors import SpecError
 from nodeops.loading import load_spec
+from nodeops.spec_load import load_spec_text
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 EXPECT = re.compile(r"^# expect: (\d+):(\d+) (\S+) \| (.+)$", re.M)
@@ -44,3 +45,18 @@ def test_error_spec_is_reported_precisely(path: Path) -> None:
         assert match, f"no error {line}:{col} {field} | {msg!r} in:\n{shown}"
         assert match[0].fix, f"error without a fix hint: {match[0]}"
         assert match[0].file == str(path)
+
+
+@pytest.mark.parametrize("field", ["key_file", "known_hosts", "username", "proxy_jump"])
+def test_a_trailing_line_break_is_refused_like_any_other_odd_character(field: str) -> None:
+    """`$` in a pattern also matches before a final newline: the checks anchor with \\Z."""
+    text = f'nodes:\n  - {{address: 10.0.0.1}}\nssh:\n  g:\n    {field}: "k\\n"\n'
+    with pytest.raises(SpecError) as e:
+        load_spec_text(text)
+    assert f"ssh.g.{field}" in str(e.value)
+
+
+def test_proxy_jump_none_is_refused_rather_than_read_by_ssh_as_no_jump() -> None:
+    with pytest.raises(SpecError) as e:
+        load_spec_text("nodes:\n  - {address: 10.0.0.1}\nssh:\n  g:\n    proxy_jump: NONE\n")
+    assert "ssh's keyword for no jump host" in str(e.value)
