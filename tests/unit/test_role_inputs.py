@@ -27,7 +27,11 @@ CASES = {
     "python_env-venv": ("python_env", {"python_env_venv_path": "venvs/x"},
                         "python_env_venv_path must be absolute or start with ~/ (got 'venvs/x')"),
     "nccl_env-ib": ("nccl_env", {"nccl_env_ib": "on"}, "nccl_env_ib must be auto or off (got 'on')"),
-    "deepspeed_env-hosts": ("deepspeed_env", {"deepspeed_env_hosts": []}, "deepspeed_env_hosts must not be empty"),
+    "deepspeed_env-hosts": ("deepspeed_env", {"deepspeed_env_hosts": [{"host": "a", "slots": 1}, {"host": "a",
+                                                                                                "slots": 2}]},
+                            "deepspeed_env_hosts must list each host once"),
+    "deepspeed_env-slots": ("deepspeed_env", {"deepspeed_env_hosts": [{"host": "a", "slots": 0}]},
+                            "each deepspeed_env_hosts entry needs a host and slots (a whole number, at least 1)"),
 }  # fmt: skip
 
 
