@@ -23,7 +23,9 @@ def variables(role: Path) -> list[tuple[str, str, str]]:
     rows = []
     for name, value in data.items():
         default = yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
-        rows.append((name, default.replace("|", "\\|"), str(options[name]["description"]).replace("|", "\\|")))
+        desc = options[name]["description"]
+        desc = " ".join(desc) if isinstance(desc, list) else str(desc)  # a list: paragraphs, as ansible-doc has them
+        rows.append((name, default.replace("|", "\\|"), desc.replace("|", "\\|")))
     return rows
 
 

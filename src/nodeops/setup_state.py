@@ -12,13 +12,16 @@ What is compared is what the spec *needs*: packages and requirements setup insta
 installed, so a record only grows for them (a spec that drops a package still runs); env.sh,
 the NCCL settings and ``.deepspeed_env`` must hold what the spec sets, as it sets it (a variable
 setup wrote that the spec no longer sets is not a difference), and every node must be in the
-mesh. Secret env values are never recorded, not even as digests; a changed ``from_env``
+mesh. Each host is recorded with its address: a host of
+the same name at another address counts as never set up. Secret env values are never recorded,
+not even as digests; a changed ``from_env``
 source value is not seen either (its name is). Without a record for the cluster (set up from
 another machine, or by an older nodeops) nothing is compared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,17 +57,19 @@ def needs(loaded: LoadedSpec) -> dict[str, dict[str, Any]]:
         reqs = list(py.packages)
         if py.requirements:
             path = Path(controller_path(py.requirements, loaded.spec_dir)).expanduser()
-            try:
+            # gone since setup: its packages are not compared (nor can setup run without it)
+            with contextlib.suppress(OSError):
                 reqs.append("-r " + _digest(path.read_text()))
-            except OSError:
-                reqs.append("-r (unreadable)")
         python[prefix] = reqs
     env = {name: "secret" if v.secret else f"from_env {v.from_env}" if v.from_env is not None
            else _digest(v.value or "") for name, v in spec.env.items()}  # fmt: skip
     ds = None
     if spec.launch.runner == "deepspeed":
         ds_env, _ = render.deepspeed_env_vars(spec, None)
-        ds = _digest(json.dumps(ds_env, sort_keys=True))
+        # the hostfile too, unless a node's slots come from GPUs setup discovers (gpus: auto)
+        auto = any(n.gpus == "auto" for n in spec.nodes)
+        hostfile = None if auto else [[n.address, spec.nproc(n)] for n in spec.ranked_nodes()]
+        ds = _digest(json.dumps([ds_env, hostfile], sort_keys=True))
     mesh = sorted(spec.alias(n) for n in spec.nodes)
     out: dict[str, dict[str, Any]] = {}
     for n in spec.ranked_nodes():
@@ -75,6 +80,7 @@ def needs(loaded: LoadedSpec) -> dict[str, dict[str, Any]]:
         if ifname != "auto":
             nccl["NCCL_SOCKET_IFNAME"] = _digest(ifname)
         out[spec.alias(n)] = {
+            "address": n.address,
             "packages": packages,
             "python_env": python,
             "shared_path": [spec.workdir.path] if spec.workdir is not None else [],
@@ -93,6 +99,8 @@ def load(cluster: str) -> dict[str, dict[str, Any]] | None:
         return None
     if not isinstance(doc, dict) or doc.get("version") != VERSION or not isinstance(doc.get("hosts"), dict):
         return None
+    if not all(isinstance(v, dict) for v in doc["hosts"].values()):
+        return None  # damaged (edited by hand): as if there were none
     hosts: dict[str, dict[str, Any]] = doc["hosts"]
     return hosts
 
@@ -116,6 +124,8 @@ def record(loaded: LoadedSpec, hosts: Iterable[str], roles: Sequence[str]) -> Pa
     doc = load(loaded.cluster_name) or {}
     for host in hosts:
         entry = dict(doc.get(host) or {})
+        if entry.get("address") != want[host]["address"]:
+            entry = {"address": want[host]["address"]}  # another machine under this name: start over
         for role in roles:
             if role == "deepspeed_env" and want[host][role] is None:
                 continue  # not a deepspeed spec: the role wrote nothing this record compares
@@ -181,19 +191,21 @@ def _host_differences(spec_needs: Mapping[str, Any], had: Mapping[str, Any], run
     return out
 
 
-def differences(loaded: LoadedSpec) -> list[Difference] | None:
-    """What the spec needs that the last setup did not give (grouped over hosts); None when
-    this machine has no setup record for the cluster."""
+def differences(loaded: LoadedSpec, ignore: Sequence[str] = ()) -> list[Difference] | None:
+    """What the spec needs that the last setup did not give (grouped over hosts), leaving out
+    what the roles in ``ignore`` provide; None when this machine has no setup record for the
+    cluster."""
     had = load(loaded.cluster_name)
     if had is None:
         return None
     grouped: dict[tuple[str, str, str], list[str]] = {}
     for host, want in needs(loaded).items():
-        if host not in had:
+        if host not in had or had[host].get("address") != want["address"]:
             grouped.setdefault(("nodes", "never set up", "all roles"), []).append(host)
             continue
         for key in _host_differences(want, had[host], loaded.spec.launch.runner):
-            grouped.setdefault(key, []).append(host)
+            if key[2] not in ignore:
+                grouped.setdefault(key, []).append(host)
     return [Difference(what, detail, role, tuple(hosts)) for (what, detail, role), hosts in grouped.items()]
 
 

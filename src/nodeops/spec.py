@@ -28,7 +28,7 @@ from nodeops.yamlpos import Located
 Port = Annotated[int, Field(ge=1, le=65535)]
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 _HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?$"
+    r"^(?=.{1,253}\Z)([A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9])?)*\.?\Z"
 )
 _IFNAME = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}\Z")
 # Keys of an SSH group. If any of them sits directly under ``ssh:`` with a scalar value,

@@ -387,7 +387,8 @@ ROLE_RULES_BY_CONSTRUCTION = (
     # .deepspeed_env: render.deepspeed_env_vars leaves out what DeepSpeed cannot read (warned)
     "deepspeed_env_vars names must be shell names",
     "deepspeed_env_vars values may not hold quotes, backticks, backslashes or newlines",
-    "deepspeed_env_hosts must not be empty",  # a spec has nodes
+    "no hostfile entries",  # a spec has nodes
+    "each deepspeed_env_hosts entry needs a host and slots",  # render writes both, slots = nproc >= 1
     "deepspeed_env_hosts must list each host once",  # addresses are unique in a spec
 )
 

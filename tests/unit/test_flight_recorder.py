@@ -71,9 +71,12 @@ def test_the_hook_sets_each_variable_the_env_leaves_unset(tmp_path: Path) -> Non
 
 
 def test_what_the_user_set_wins_under_either_name(tmp_path: Path) -> None:
-    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/fr_"}
-    got = rank_env(tmp_path, {"NODEOPS_FLIGHT_RECORDER": "1", **mine})
-    assert got == {**mine, "TORCH_FR_BUFFER_SIZE": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/fr_"}
+    mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/f_"}
+    got = rank_env(tmp_path / "a", {"NODEOPS_FLIGHT_RECORDER": "1", **mine})
+    assert got == {**mine, "TORCH_FR_BUFFER_SIZE": "50", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/f_"}
+    # a size of 0 turns the recorder off: nothing more is set
+    got = rank_env(tmp_path / "b", {"NODEOPS_FLIGHT_RECORDER": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"})
+    assert got == {**dict.fromkeys(NAMES), "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}
 
 
 def test_nothing_is_set_unless_asked_or_outside_a_rank(tmp_path: Path) -> None:

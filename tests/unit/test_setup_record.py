@@ -84,8 +84,29 @@ def test_a_new_node_and_a_partial_setup(home: Path) -> None:
     assert doc["hosts"]["node1"]["packages"] == doc["hosts"]["node2"]["packages"]
 
 
-def test_secret_values_are_never_recorded(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MY_TOKEN", "hunter2-very-secret")
-    setup_state.record(load_spec_text(BASE, "cluster.yaml"), ["node1", "node2"], setup_state.ROLES)
+def test_secret_values_are_never_recorded_not_even_as_digests(home: Path) -> None:
+    inline = BASE.replace("{from_env: MY_TOKEN, secret: true}", "{value: hunter2-very-secret, secret: true}")
+    setup_state.record(load_spec_text(inline, "cluster.yaml"), ["node1", "node2"], setup_state.ROLES)
     text = (home / "setup" / "lab.json").read_text()
     assert "hunter2" not in text and '"TOKEN": "secret"' in text
+    assert setup_state._digest("hunter2-very-secret") not in text
+    # and so a changed secret is not a difference (the documented limit)
+    assert diffs(inline.replace("hunter2-very-secret", "other")) == []
+
+
+def test_a_host_of_the_same_name_at_another_address_was_never_set_up() -> None:
+    setup_state.record(load_spec_text(BASE, "cluster.yaml"), ["node1", "node2"], setup_state.ROLES)
+    got = diffs(BASE.replace("10.0.0.2", "10.0.0.9"))
+    assert setup_state.Difference("nodes", "never set up", "all roles", ("node2",)) in got
+
+
+def test_a_damaged_record_reads_as_none(home: Path) -> None:
+    (home / "setup").mkdir()
+    (home / "setup" / "lab.json").write_text('{"version": 1, "hosts": {"node1": "x"}}')
+    assert setup_state.differences(load_spec_text(BASE, "cluster.yaml")) is None
+
+
+def test_what_launch_sync_provides_is_not_refused() -> None:
+    setup_state.record(load_spec_text(BASE, "cluster.yaml"), ["node1", "node2"], setup_state.ROLES)
+    moved = load_spec_text(BASE.replace("/srv/train", "/srv/other"), "cluster.yaml")
+    assert setup_state.differences(moved, ignore=["shared_path"]) == []

@@ -56,6 +56,12 @@ def test_a_trailing_line_break_is_refused_like_any_other_odd_character(field: st
     assert f"ssh.g.{field}" in str(e.value)
 
 
+def test_a_node_name_with_a_trailing_line_break_is_refused() -> None:
+    with pytest.raises(SpecError) as e:
+        load_spec_text('nodes:\n  - {address: 10.0.0.1, name: "n1\\n"}\n')
+    assert "nodes[0].name" in str(e.value)
+
+
 def test_proxy_jump_none_is_refused_rather_than_read_by_ssh_as_no_jump() -> None:
     with pytest.raises(SpecError) as e:
         load_spec_text("nodes:\n  - {address: 10.0.0.1}\nssh:\n  g:\n    proxy_jump: NONE\n")

@@ -67,7 +67,9 @@ def _nodeops_flight_recorder(run_dir):
     # this): each variable only where the env (the spec's env, network.nccl) does not set it,
     # under its old and its new name alike, so either spelling the user chose wins.
     env = _os.environ
-    size = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or "2000"
+    size = next((env[k] for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE") if k in env), "2000")
+    if size.strip() in ("", "0"):
+        return  # the user turned the recorder off: nothing else either
     d = _os.path.join(run_dir, "flight")
     _os.makedirs(d, exist_ok=True)
     dump = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or _os.path.join(d, "rank_")

@@ -185,7 +185,11 @@ def setup(
         if not check:  # what these hosts now have, for `launch`/`check` to compare specs with
             roles = [r for r in (tag_list or ROLE_TAGS) if r in ROLE_TAGS and r not in skip]
             if roles:
-                setup_state.record(loaded, [h.host for h in ran], roles)
+                try:
+                    setup_state.record(loaded, [h.host for h in ran], roles)
+                except OSError as e:  # setup itself succeeded: say what launch/check will miss
+                    err(f"warning: could not keep the setup record ({e}); launch and check will not compare "
+                        "the spec with this setup")  # fmt: skip
         err(
             f"setup ok: {len(ran)} host(s), {result.changed} change(s)"
             + (" (check mode: none made)" if check else "")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nodeops import backends
+from nodeops import backends, setup_state
 from nodeops.backends.base import Sink
-from nodeops.check import Report
+from nodeops.check import FAIL, Report, Row
 from nodeops.errors import ExitWith, NodeopsError, UsageError
 from nodeops.fabric import FabricReport
-from nodeops.lifecycle import gates, load_cluster
+from nodeops.lifecycle import load_cluster
 from nodeops.lifecycle.fabric import run_fabric
 from nodeops.spec import LoadedSpec
 
@@ -21,9 +21,12 @@ def check(spec_path: Path, sink: Sink, *, group: str | None = None, timeout: flo
     backend = backends.for_spec(loaded.spec)
     if fabric and not backend.capabilities.fabric:
         raise UsageError(f"--fabric cannot be used with backend: {backend.name} (nothing was run)")
-    if backend.capabilities.preflight:
-        gates.setup_gate(loaded, "checked")
-    return loaded, backend.check(loaded, timeout, sink)
+    report = backend.check(loaded, timeout, sink)
+    if backend.capabilities.preflight:  # what the spec needs that the last setup did not give: rows too
+        diffs = setup_state.differences(loaded) or []
+        report.rows += [Row(h, "setup", FAIL, f"{d.what}: {d.detail}; fix: {setup_state.fix(loaded, [d])}")
+                        for d in diffs for h in d.hosts]  # fmt: skip
+    return loaded, report
 
 
 def measure_fabric(loaded: LoadedSpec, spec_path: Path, report: Report, sink: Sink, *, seconds: float = 30,

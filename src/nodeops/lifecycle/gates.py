@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Sequence
 
 from nodeops import check, setup_state
 from nodeops.backends.base import Sink
@@ -12,10 +14,11 @@ from nodeops.runner import run_playbook
 from nodeops.spec import LoadedSpec
 
 
-def setup_gate(loaded: LoadedSpec, doing: str, skip: str = "") -> None:
+def setup_gate(loaded: LoadedSpec, doing: str, skip: str = "", ignore: Sequence[str] = ()) -> None:
     """Refuse (exit 2, before anything starts) a spec that needs what the last setup on this
-    machine did not give the hosts: a new runner, package, env value, workdir or node."""
-    diffs = setup_state.differences(loaded)
+    machine did not give the hosts: a new runner, package, env value, workdir or node (what the
+    roles in ``ignore`` provide left out: `launch --sync` runs shared_path itself)."""
+    diffs = setup_state.differences(loaded, ignore)
     if not diffs:
         return
     lines = "\n".join(f"  {d.line()}" for d in diffs)
@@ -39,6 +42,8 @@ def sync_workdir(loaded: LoadedSpec, sink: Sink) -> None:
                 sink.note(f"{hr.host}: {e}")
         raise ExitWith(EXIT_FAILURE, f"--sync failed on {', '.join(result.bad_hosts) or 'the controller'}; "
                        f"nothing was started (artifacts: {result.private_data_dir})")  # fmt: skip
+    with contextlib.suppress(OSError):  # the record is a convenience: a read-only home must not fail the launch
+        setup_state.record(loaded, [h.host for h in result.hosts.values() if h.in_play], ["shared_path"])
     copied = [h.host for h in result.hosts.values() if h.changed]
     sink.note(
         f"==> workdir synced in {time.monotonic() - t0:.1f}s ("

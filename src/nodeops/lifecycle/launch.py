@@ -44,7 +44,8 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
             (sink.out if kind == "out" else sink.note)(text)
         return
     if request.check and backend.capabilities.preflight:
-        gates.setup_gate(loaded, "started", "--no-check skips this comparison")
+        gates.setup_gate(loaded, "started", "--no-check skips this comparison",
+                         ignore=("shared_path",) if request.sync else ())  # fmt: skip
     if request.sync:
         gates.sync_workdir(loaded, sink)
     if request.check and backend.capabilities.preflight:
