@@ -66,7 +66,7 @@ for step in range(10**9):
     time.sleep(0.05)
 """
 JOB = re.compile(r"hang\.py|torch\.distributed\.run|job\.sh|agent\.py|supervisor\.py|py-spy")
-RANK_PROC = "python3\\? -u hang.py"  # pgrep -f: torchrun's workers (its agent's line has -m torch...)
+RANK_PROC = "python3? -u hang[.]py"  # pgrep -f (ERE): torchrun's workers (its agent's line has -m torch...)
 
 
 def sh(*argv: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -144,7 +144,7 @@ def stacks_vs_by_hand(sb: sandbox.Sandbox, spec: Path, runs: int) -> dict[str, l
             with concurrent.futures.ThreadPoolExecutor(len(sb.nodes)) as pool:
                 outs = list(pool.map(lambda n: sh("ssh", "-F", str(sb.ssh_config), n.name, by_hand), sb.nodes))
             hand = time.monotonic() - t
-            if any(o.returncode for o in outs):
+            if any(o.returncode or "hang.py" not in o.stdout for o in outs):  # every node dumped its rank
                 raise SystemExit("by hand: " + "; ".join(o.stderr.strip()[-300:] for o in outs if o.returncode))
             t = time.monotonic()
             got = sh(NODEOPS, "stacks", run_id, "--json")
