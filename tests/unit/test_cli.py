@@ -348,7 +348,7 @@ def test_setup_names_missing_controller_inputs_before_any_host(tmp_path: Path) -
 
 
 def test_setup_skips_exactly_the_roles_input_checks() -> None:
-    from nodeops.cli.setup_cmds import ROLE_INPUT_CHECKS
+    from nodeops.lifecycle.setup import ROLE_INPUT_CHECKS
 
     root = Path(__file__).resolve().parents[2]
     tagged = {t for f in root.glob("roles/*/tasks/main.yml") for t in re.findall(r"\b(\w+_preflight)\b", f.read_text())}

@@ -11,10 +11,10 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-import typer
 
 from nodeops import runner, workdir
-from nodeops.cli.setup_cmds import resolve_limit
+from nodeops.errors import UsageError
+from nodeops.lifecycle.setup import resolve_limit
 from nodeops.resources import collections_path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,14 +146,15 @@ def test_known_hosts_lines_name_address_name_and_hostname_with_port() -> None:
     assert blocks.known_hosts_lines("n", same) == ["n k x"]
 
 
-# --------------------------------------------------------------------------- CLI pieces
+# --------------------------------------------------------------------------- setup's request
 def test_limit_takes_names_and_addresses() -> None:
     by_name = {"node1": "10.0.0.1", "node2": "10.0.0.2"}
     assert resolve_limit(by_name, "10.0.0.2,node1,node2") == ["node2", "node1"]
     assert resolve_limit(by_name, None) is None
-    with pytest.raises(typer.Exit) as e:
+    with pytest.raises(UsageError) as e:
         resolve_limit(by_name, "node9,10.0.0.1")
     assert e.value.exit_code == 2
+    assert str(e.value) == "--limit: node9 not in the spec; hosts: node1 (10.0.0.1), node2 (10.0.0.2)"
 
 
 def test_diffs_render_as_unified_diffs_per_file() -> None:
