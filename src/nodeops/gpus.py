@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import tempfile
 from pathlib import Path
 
 from nodeops.errors import NodeopsError, SpecError
 from nodeops.render import ssh_config
+from nodeops.resources import nodeops_home
 from nodeops.spec import LoadedSpec
 from nodeops.transport import fan_out, last_line, ssh_argv
 
@@ -37,7 +37,7 @@ def auto_nodes(loaded: LoadedSpec) -> list[str]:
 
 
 def record_path(loaded: LoadedSpec) -> Path:
-    base = Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
+    base = nodeops_home()
     return base / "clusters" / loaded.cluster_name / "gpus.json"
 
 

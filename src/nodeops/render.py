@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from packaging.requirements import InvalidRequirement, Requirement
+from packaging.utils import canonicalize_name
 
 from nodeops import deepspeed, workdir
 from nodeops.errors import NodeopsError, SpecError, SpecIssue
@@ -131,8 +133,14 @@ def system_packages(spec: ResourceSpec) -> list[str]:
 def python_tools(py: PythonSpec) -> list[str]:
     """What setup installs into the env beside the spec's packages, for nodeops itself: py-spy
     (`nodeops stacks`), unless python.py_spy is false or the packages list it already."""
-    listed = {re.split(r"[<>=!~\[; @]", p.strip(), maxsplit=1)[0].lower().replace("_", "-") for p in py.packages}
-    return [] if py.py_spy is False or "py-spy" in listed else ["py-spy"]
+
+    def name(req: str) -> str:
+        try:
+            return canonicalize_name(Requirement(req).name)
+        except InvalidRequirement:  # pip takes more than PEP 508 (a path, a URL): not py-spy by name
+            return ""
+
+    return [] if py.py_spy is False or "py-spy" in {name(p) for p in py.packages} else ["py-spy"]
 
 
 def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str, Any]:

@@ -13,6 +13,11 @@ from pathlib import Path
 _PKG = Path(__file__).resolve().parent
 
 
+def nodeops_home() -> Path:
+    """nodeops' own state on this machine: ``$NODEOPS_HOME``, else ``~/.nodeops``."""
+    return Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
+
+
 @cache
 def data_dir(name: str) -> Path:
     """Absolute path of a shipped data directory: 'playbooks', 'roles', 'plugins' or 'templates'."""

@@ -30,7 +30,7 @@ from typing import Any
 from nodeops.errors import NodeopsError
 from nodeops.quoting import ansible_yaml
 from nodeops.render import pins_digest, ssh_args_options
-from nodeops.resources import collections_path, data_dir
+from nodeops.resources import collections_path, data_dir, nodeops_home
 
 # Ansible needs roughly this many file descriptors per fork (pipes, ssh control sockets);
 # with the usual soft limit of 1024, more than ~74 forks fail with "Too many open files".
@@ -96,7 +96,7 @@ class RunResult:
 
 
 def runs_dir() -> Path:
-    base = Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
+    base = nodeops_home()
     d = base / "runs"
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)

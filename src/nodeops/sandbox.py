@@ -30,7 +30,7 @@ from nodeops import sandbox_slurm as S
 from nodeops.errors import NodeopsError, SandboxError
 from nodeops.quoting import sh_word
 from nodeops.render import ssh_config
-from nodeops.resources import data_dir
+from nodeops.resources import data_dir, nodeops_home
 from nodeops.spec_load import load_spec_text
 
 LABEL = "io.nodeops.sandbox"
@@ -78,7 +78,7 @@ class Sandbox:
 
 
 def home() -> Path:
-    return Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
+    return nodeops_home()
 
 
 def state_dir(name: str) -> Path:

@@ -1,7 +1,7 @@
 """What `setup` gave each host, kept on the controller, and what a spec needs that it did not.
 
 After a successful `setup`, each host that ran is recorded in
-``$NODEOPS_HOME/setup/<cluster>.json`` (by default ``~/.nodeops/setup/``): the system packages,
+``$NODEOPS_HOME/clusters/<cluster>/setup.json`` (by default under ``~/.nodeops``): the system packages,
 each Python env's requirements, the env and NCCL settings written to ``env.sh``, the workdirs,
 ``.deepspeed_env``, and the hosts in the chief's ssh mesh, per role that ran. `launch` and
 `check` compare the spec with it before they start anything (:func:`differences`): a spec edited
@@ -24,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nodeops import render
+from nodeops.quoting import sh_word
+from nodeops.resources import nodeops_home
 from nodeops.spec import LoadedSpec, controller_path
 
 VERSION = 1
@@ -38,8 +39,7 @@ ROLES = ("ssh_mesh", "python_env", "shared_path", "nccl_env", "deepspeed_env", "
 
 
 def record_path(cluster: str) -> Path:
-    base = Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
-    return base / "setup" / f"{cluster}.json"
+    return nodeops_home() / "clusters" / cluster / "setup.json"  # beside gpus.json (gpus: auto)
 
 
 def _digest(text: str) -> str:
@@ -213,4 +213,4 @@ def fix(loaded: LoadedSpec, diffs: Sequence[Difference]) -> str:
     """The setup command that provides what ``diffs`` name."""
     roles = sorted({d.role for d in diffs})
     tags = "" if "all roles" in roles else " --tags " + ",".join(roles)
-    return f"nodeops setup {loaded.file}{tags}"
+    return f"nodeops setup {sh_word(loaded.file)}{tags}"  # a command to paste into a shell

@@ -20,6 +20,7 @@ from nodeops.errors import NodeopsError
 from nodeops.failures import exit_code_for
 from nodeops.launch import protocol as P
 from nodeops.render import pins_digest, ssh_config_text, ssh_target_from_record
+from nodeops.resources import nodeops_home
 
 RUN_ID = re.compile(r"^\d{8}-\d{6}-[0-9a-f]{4}$")
 STARTING = "starting"  # in a run's record while `nodeops launch` starts it: the launch's pid
@@ -49,7 +50,7 @@ def check_run_id(run_id: str) -> str:
 
 
 def jobs_dir() -> Path:
-    base = Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
+    base = nodeops_home()
     d = base / "jobs"
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     return d

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import setup_state
+from nodeops import render, setup_state
 from nodeops.spec_load import load_spec_text
 
 BASE = """
@@ -78,7 +78,7 @@ def test_a_new_node_and_a_partial_setup(home: Path) -> None:
     assert setup_state.fix(load_spec_text(grown, "cluster.yaml"), got) == "nodeops setup cluster.yaml"
     # `setup --tags python_env` records that role alone; the others keep what they had
     setup_state.record(load_spec_text(BASE.replace("numpy", "scipy"), "cluster.yaml"), ["node1"], ["python_env"])
-    doc = json.loads((home / "setup" / "lab.json").read_text())
+    doc = json.loads((home / "clusters" / "lab" / "setup.json").read_text())
     assert doc["hosts"]["node1"]["python_env"] == {"~/.venvs/train": ["numpy", "scipy", "torch==2.13.0"]}
     assert doc["hosts"]["node2"]["python_env"] == {"~/.venvs/train": ["numpy", "torch==2.13.0"]}
     assert doc["hosts"]["node1"]["packages"] == doc["hosts"]["node2"]["packages"]
@@ -87,7 +87,7 @@ def test_a_new_node_and_a_partial_setup(home: Path) -> None:
 def test_secret_values_are_never_recorded_not_even_as_digests(home: Path) -> None:
     inline = BASE.replace("{from_env: MY_TOKEN, secret: true}", "{value: hunter2-very-secret, secret: true}")
     setup_state.record(load_spec_text(inline, "cluster.yaml"), ["node1", "node2"], setup_state.ROLES)
-    text = (home / "setup" / "lab.json").read_text()
+    text = (home / "clusters" / "lab" / "setup.json").read_text()
     assert "hunter2" not in text and '"TOKEN": "secret"' in text
     assert setup_state._digest("hunter2-very-secret") not in text
     # and so a changed secret is not a difference (the documented limit)
@@ -101,8 +101,8 @@ def test_a_host_of_the_same_name_at_another_address_was_never_set_up() -> None:
 
 
 def test_a_damaged_record_reads_as_none(home: Path) -> None:
-    (home / "setup").mkdir()
-    (home / "setup" / "lab.json").write_text('{"version": 1, "hosts": {"node1": "x"}}')
+    (home / "clusters" / "lab").mkdir(parents=True)
+    (home / "clusters" / "lab" / "setup.json").write_text('{"version": 1, "hosts": {"node1": "x"}}')
     assert setup_state.differences(load_spec_text(BASE, "cluster.yaml")) is None
 
 
@@ -110,3 +110,15 @@ def test_what_launch_sync_provides_is_not_refused() -> None:
     setup_state.record(load_spec_text(BASE, "cluster.yaml"), ["node1", "node2"], setup_state.ROLES)
     moved = load_spec_text(BASE.replace("/srv/train", "/srv/other"), "cluster.yaml")
     assert setup_state.differences(moved, ignore=["shared_path"]) == []
+
+
+@pytest.mark.parametrize(
+    ("packages", "py_spy", "tools"),
+    [(["torch==2.13.0"], None, ["py-spy"]), (["Py_Spy>=0.4"], None, []), (["py-spy @ file:///w/py_spy.whl"], None, []),
+     (["./wheels/x.whl"], None, ["py-spy"]), (["torch"], False, []), (["torch"], True, ["py-spy"])],
+)  # fmt: skip
+def test_setup_adds_py_spy_unless_listed_or_off(packages: list[str], py_spy: bool | None, tools: list[str]) -> None:
+    spec = load_spec_text(BASE, "cluster.yaml").spec
+    assert spec.python is not None
+    py = spec.python.model_copy(update={"packages": packages, "py_spy": py_spy})
+    assert render.python_tools(py) == tools
