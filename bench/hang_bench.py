@@ -38,12 +38,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from _bench import NODEOPS, need_wheels, set_up_project, sh, time_in_marker  # noqa: E402  (bench/, beside this script)
+
 from nodeops import sandbox  # noqa: E402
 
 NAME = "benchh"
 SUBNET = "10.219.0.0/24"
-NODEOPS = str(Path(sys.executable).parent / "nodeops")
-WHEELS = ROOT / ".cache" / "wheelhouse-torch"
 HANG = """import sys, time
 import torch, torch.distributed as d
 
@@ -67,11 +67,6 @@ for step in range(10**9):
 """
 JOB = re.compile(r"hang\.py|torch\.distributed\.run|job\.sh|agent\.py|supervisor\.py|py-spy")
 RANK_PROC = "python3? -u hang[.]py"  # pgrep -f (ERE): torchrun's workers (its agent's line has -m torch...)
-
-
-def sh(*argv: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    p: subprocess.CompletedProcess[str] = subprocess.run(argv, capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload]
-    return p
 
 
 def job_processes(sb: sandbox.Sandbox) -> int:
@@ -101,12 +96,7 @@ def hang_once(sb: sandbox.Sandbox, spec: Path, timeout: float) -> dict[str, obje
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    hung_at = None
-    deadline = time.monotonic() + 180
-    while hung_at is None and time.monotonic() < deadline:
-        got = sh("docker", "exec", node4.container, "cat", marker).stdout.strip()
-        hung_at = float(got) if got else None
-        time.sleep(0.1)
+    hung_at = time_in_marker(node4.container, marker, every=0.1)
     if hung_at is None:
         proc.kill()
         raise SystemExit("rank 3 never hung:\n" + "".join(lines[-30:]))
@@ -166,25 +156,11 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=10.0, help="--hang-timeout for the hung runs (seconds)")
     ap.add_argument("--keep", action="store_true", help="leave the bench sandbox up")
     args = ap.parse_args()
-    if not list(WHEELS.glob("py_spy-*.whl")):
-        raise SystemExit(f"no py-spy wheel in {WHEELS}; run scripts/demo.sh once (or pip download torch==2.13.0 "
-                         "numpy py-spy -d .cache/wheelhouse-torch)")  # fmt: skip
+    need_wheels("torch-2.13.0*.whl", "numpy-*.whl", "py_spy-*.whl")
     sb = sandbox.up(name=NAME, n=4, subnet=SUBNET, say=lambda m: print(f"==> {m}", flush=True))
     try:
         with tempfile.TemporaryDirectory(prefix="nodeops-bench-") as tmp:
-            work = Path(tmp)
-            (work / "project").mkdir()
-            (work / "project" / "hang.py").write_text(HANG)
-            spec = work / "cluster.yaml"
-            spec.write_text(sb.spec_path.read_text() + (
-                f"python: {{venv: ~/.venvs/bench, packages: ['torch==2.13.0', numpy], wheelhouse: {WHEELS}}}\n"
-                f"workdir: {{path: /srv/bench, source: {work / 'project'}}}\n"
-                "network: {ib: 'off'}\nenv: {OMP_NUM_THREADS: 1}\n"
-            ))  # fmt: skip
-            print("==> nodeops setup (not timed; installs py-spy by default)", flush=True)
-            s = sh(NODEOPS, "setup", str(spec))
-            if s.returncode != 0:
-                raise SystemExit(s.stderr[-3000:])
+            spec = set_up_project(sb.spec_path, Path(tmp), {"hang.py": HANG})
             results = []
             for i in range(args.runs):
                 r = hang_once(sb, spec, args.timeout)

@@ -38,13 +38,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from _bench import NODEOPS, need_wheels, set_up_project, sh, time_in_marker  # noqa: E402  (bench/, beside this script)
+
 from nodeops import sandbox  # noqa: E402
 from nodeops.loading import load_spec  # noqa: E402
 
 NAME = "benchl"
 SUBNET = "10.218.0.0/24"
-NODEOPS = str(Path(sys.executable).parent / "nodeops")
-WHEELS = ROOT / ".cache" / "wheelhouse-torch"
 TRIVIAL = "import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n"
 FAIL = """import os, sys, time
 import torch, torch.distributed as d
@@ -60,11 +60,6 @@ for step in range(100000):
 """
 JOB = re.compile(r"fail\.py|trivial\.py|torch\.distributed\.run|job\.sh")  # every process of a job
 RANK = re.compile(r"python3? (-u )?fail\.py")  # the training processes themselves (torchrun's workers)
-
-
-def sh(*argv: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    p: subprocess.CompletedProcess[str] = subprocess.run(argv, capture_output=True, text=True, check=False, **kw)  # type: ignore[call-overload]
-    return p
 
 
 def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
@@ -95,12 +90,7 @@ def teardown_latency(sb: sandbox.Sandbox, spec: Path, detach: bool) -> tuple[flo
     node4 = sb.nodes[3]
     argv = [NODEOPS, "launch", str(spec), "--no-check", *(["--detach"] if detach else []), "--", "fail.py", "3", marker]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    failed_at = None
-    deadline = time.monotonic() + 180
-    while failed_at is None and time.monotonic() < deadline:
-        got = sh("docker", "exec", node4.container, "cat", marker).stdout.strip()
-        failed_at = float(got) if got else None
-        time.sleep(0.05)
+    failed_at = time_in_marker(node4.container, marker)
     if failed_at is None:
         proc.kill()
         raise SystemExit(f"rank 3 never failed: {proc.communicate()[1][-2000:]}")
@@ -129,8 +119,7 @@ def main() -> int:
     ap.add_argument("--keep", action="store_true", help="leave the bench sandbox up")
     ap.add_argument("--teardown-only", action="store_true", help="skip the launch-overhead part")
     args = ap.parse_args()
-    if not (WHEELS / ".complete").exists():
-        raise SystemExit(f"no torch wheelhouse in {WHEELS}; run scripts/demo.sh once (or pip download torch==2.13.0)")
+    need_wheels("torch-2.13.0*.whl", "numpy-*.whl")
     if shutil.which("pdsh") is None:
         print("==> installing pdsh (apt)", flush=True)
         subprocess.run(["apt-get", "install", "-y", "-q", "pdsh"], check=True, capture_output=True)
@@ -138,17 +127,7 @@ def main() -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="nodeops-bench-") as tmp:
             work = Path(tmp)
-            (work / "project").mkdir()
-            (work / "project" / "trivial.py").write_text(TRIVIAL)
-            (work / "project" / "fail.py").write_text(FAIL)
-            spec = work / "cluster.yaml"
-            spec.write_text(sb.spec_path.read_text() + (
-                f"python: {{venv: ~/.venvs/bench, packages: ['torch==2.13.0'], wheelhouse: {WHEELS}}}\n"
-                f"workdir: {{path: /srv/bench, source: {work / 'project'}}}\n"
-                "network: {ib: 'off'}\nenv: {OMP_NUM_THREADS: 1}\n"
-            ))  # fmt: skip
-            print("==> nodeops setup (not timed)", flush=True)
-            timed([NODEOPS, "setup", str(spec)])
+            spec = set_up_project(sb.spec_path, work, {"trivial.py": TRIVIAL, "fail.py": FAIL})
             # pdsh gets the same ssh_config (strict host keys) and the same env/venv as nodeops' jobs.
             cfg = work / "ssh_config"
             cfg.write_text(sb.ssh_config.read_text())

@@ -10,9 +10,10 @@ bash scripts/ensure-docker.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
 wheels=.cache/wheelhouse-torch
-if [ ! -e "$wheels/.complete-2" ]; then
+# the same list and marker as tests/integration/conftest.py (one wheelhouse serves both)
+if [ ! -e "$wheels/.complete-3" ]; then
   echo "==> downloading torch 2.13.0 (CPU), numpy, py-spy and their dependencies into $wheels (once; the nodes have no internet)"
-  python -m pip download -q torch==2.13.0 numpy py-spy -d "$wheels" && touch "$wheels/.complete-2"
+  python -m pip download -q torch==2.13.0 numpy py-spy -d "$wheels" && touch "$wheels/.complete-3"
 fi
 
 echo "==> nodeops sandbox up -n 3"
