@@ -23,17 +23,21 @@ def rendezvous(requested: str, nprocs: Sequence[int]) -> str:
 
 def torchrun_prefix(
     nodes: Sequence[Mapping[str, Any]], rank: int, run_id: str, *, rdzv: str, master_port: int, rdzv_port: int,
-    max_restarts: int, python: str = "python3",
+    max_restarts: int, python: str = "python3", elastic: bool = False,
 ) -> list[str]:  # fmt: skip
     """torchrun's command for the node of ``rank`` (append the training script and its args).
-    ``nodes``: ``{"address", "nproc"}`` in node-rank order; the first is the chief."""
+    ``nodes``: ``{"address", "nproc"}`` in node-rank order; the first is the chief.
+    ``elastic`` (nodeops' automatic restarts): the node count and node rank are left to
+    torchrun's PET_NNODES / PET_NODE_RANK, which each attempt's ``attempt.env`` sets."""
     chief = str(nodes[0]["address"])
-    argv = [python, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)), "--nproc-per-node",
-            str(nodes[rank]["nproc"])]  # fmt: skip
+    argv = [python, "-m", "torch.distributed.run"]
+    argv += [] if elastic else ["--nnodes", str(len(nodes))]
+    argv += ["--nproc-per-node", str(nodes[rank]["nproc"])]
     if rdzv == "c10d":
         argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{chief}:{rdzv_port}", "--rdzv-id", run_id]
     else:
-        argv += ["--node-rank", str(rank), "--master-addr", chief, "--master-port", str(master_port)]
+        argv += [] if elastic else ["--node-rank", str(rank)]
+        argv += ["--master-addr", chief, "--master-port", str(master_port)]
     return [*argv, "--max-restarts", str(max_restarts)]
 
 
@@ -54,6 +58,8 @@ def plan(
     hostfile_path: str = "",
     python: str = "python3",
     flight_recorder: bool = False,
+    elastic: bool = False,
+    spares: Sequence[Mapping[str, Any]] = (),
 ) -> list[dict[str, Any]]:
     """Per-host launches, in node-rank order: ``{host, address, node_rank, nproc, argv, env}``.
 
@@ -66,9 +72,16 @@ def plan(
     chief) may hold ``@@HOME@@``: the job script turns it into the host's ``"$HOME"``.
     ``flight_recorder``: every rank gets ``NODEOPS_FLIGHT_RECORDER=1`` (mpirun forwards it), and
     the ranks' hook sets PyTorch's NCCL flight-recorder variables the env does not already set.
+    ``elastic`` (nodeops' automatic restarts, torchrun only): the node count, node rank and world
+    size come from each attempt's ``attempt.env`` (NNODES, NODE_RANK, WORLD_SIZE and torchrun's
+    PET_NNODES, PET_NODE_RANK), so the same job.sh serves every attempt; ``spares`` are nodes
+    that run nothing until an attempt gives them a node rank (their entries have node rank -1).
     """
     if runner not in RUNNERS:
         raise ValueError(f"runner {runner!r}: use one of {', '.join(RUNNERS)}")
+    if (elastic or spares) and runner != "torchrun":
+        raise ValueError("automatic restarts (and spare nodes) need runner torchrun")
+    elastic = elastic or bool(spares)
     chief = str(nodes[0]["address"])
     base_env = {
         "MASTER_ADDR": chief,
@@ -86,13 +99,17 @@ def plan(
     def entry(prefix: list[str]) -> list[str]:
         return ["bash", script, *user_argv] if script else [*prefix, *user_argv]
 
+    if elastic:  # each attempt's attempt.env says these
+        for name in ("NNODES", "WORLD_SIZE"):
+            del base_env[name]
+    every = [*nodes, *spares]
     out: list[dict[str, Any]] = []
-    for rank, node in enumerate(nodes):
-        env = {**base_env, "NODE_RANK": str(rank)}
+    for rank, node in enumerate(every):
+        env = dict(base_env) if elastic else {**base_env, "NODE_RANK": str(rank)}
         prefix: list[str] = []
         if runner == "torchrun":
-            prefix = torchrun_prefix(nodes, rank, run_id, rdzv=rdzv, master_port=master_port, rdzv_port=rdzv_port,
-                                     max_restarts=max_restarts, python=python)  # fmt: skip
+            prefix = torchrun_prefix(every, rank, run_id, rdzv=rdzv, master_port=master_port, rdzv_port=rdzv_port,
+                                     max_restarts=max_restarts, python=python, elastic=elastic)  # fmt: skip
         elif rank == 0 and runner == "mpirun":
             hosts = ",".join(f"{n['address']}:{n['nproc']}" for n in nodes)
             prefix = ["mpirun", "-np", env["WORLD_SIZE"], "-H", hosts, "--bind-to", "none", "--map-by", "slot",
@@ -111,7 +128,8 @@ def plan(
         if prefix:
             env["NODEOPS_RUNNER"] = shlex.join(prefix)
             argv = entry(prefix)
-        out.append({"host": str(node["host"]), "address": str(node["address"]), "node_rank": rank,
+        out.append({"host": str(node["host"]), "address": str(node["address"]),
+                    "node_rank": rank if rank < len(nodes) else -1,
                     "nproc": int(node["nproc"]), "argv": argv, "env": env})  # fmt: skip
     return out
 
@@ -137,9 +155,14 @@ def job_env(runner: str, env: Mapping[str, str], rdir: str) -> dict[str, str]:
 
 
 def run_config(run_id: str, hosts: Sequence[Mapping[str, Any]], runner: str, max_restarts: int,
-               hang_timeout: float | None = None) -> dict[str, Any]:  # fmt: skip
+               hang_timeout: float | None = None,
+               recovery: Mapping[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The supervisor's run.json. ``hosts``: ``{name, address, port, user, local, job}`` for every
-    host in node-rank order (``local``: the chief itself; ``job``: it runs a job.sh).
-    ``hang_timeout``: seconds without progress before the hang watchdog fires (None: off)."""
-    return {"run_id": run_id, "hosts": [dict(h) for h in hosts], "pdsh": runner == "deepspeed",
-            "agent_final": runner == "torchrun" and max_restarts == 0, "hang_timeout": hang_timeout}  # fmt: skip
+    host in node-rank order (``local``: the chief itself; ``job``: it runs a job.sh; ``spare`` and
+    ``nproc`` with restarts). ``hang_timeout``: seconds without progress before the hang watchdog
+    fires (None: off). ``recovery``: ``{restarts, restart_on, min_nodes, backoff}`` (None: off)."""
+    out = {"run_id": run_id, "hosts": [dict(h) for h in hosts], "pdsh": runner == "deepspeed",
+           "agent_final": runner == "torchrun" and max_restarts == 0, "hang_timeout": hang_timeout}  # fmt: skip
+    if recovery:
+        out["recovery"] = dict(recovery)
+    return out

@@ -36,8 +36,10 @@ class HostLaunch:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _nodes(spec: ResourceSpec) -> list[dict[str, Any]]:
-    return [{"host": spec.alias(n), "address": n.address, "nproc": spec.nproc(n)} for n in spec.ranked_nodes()]
+def _nodes(spec: ResourceSpec, nodes: list[Node] | None = None) -> list[dict[str, Any]]:
+    """The first attempt's nodes (spares left out), or ``nodes``, as the plan takes them."""
+    return [{"host": spec.alias(n), "address": n.address, "nproc": spec.nproc(n)}
+            for n in (spec.job_nodes() if nodes is None else nodes)]  # fmt: skip
 
 
 def rendezvous(spec: ResourceSpec) -> str:
@@ -50,7 +52,7 @@ def runner_prefix(spec: ResourceSpec, node: Node, run_id: str, python: str = "py
     training script and its arguments to it."""
     lc = spec.launch
     return list(_launch_plan.torchrun_prefix(
-        _nodes(spec), spec.ranked_nodes().index(node), run_id, rdzv=rendezvous(spec), master_port=lc.master_port,
+        _nodes(spec), spec.job_nodes().index(node), run_id, rdzv=rendezvous(spec), master_port=lc.master_port,
         rdzv_port=lc.rdzv_port, max_restarts=lc.max_restarts, python=python,
     ))  # fmt: skip
 
@@ -73,7 +75,7 @@ def plan(
         _nodes(spec), user_argv, run_id, runner=lc.runner, rdzv=rendezvous(spec), master_port=lc.master_port,
         rdzv_port=lc.rdzv_port, max_restarts=lc.max_restarts, socket_ifname=socket_ifname, env_names=env_names,
         script=script, shim_path=shim_path, hostfile_path=hostfile_path, python=python,
-        flight_recorder=spec.flight_recorder(),
+        flight_recorder=spec.flight_recorder(), elastic=lc.restarts > 0, spares=_nodes(spec, spec.spares()),
     )  # fmt: skip
     return [HostLaunch(h["host"], h["address"], h["node_rank"], h["nproc"], h["argv"], h["env"]) for h in hosts]
 

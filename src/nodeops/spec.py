@@ -251,6 +251,11 @@ class Node(_Model):
         None, description="nodeops: processes on this node (default: launch.nproc_per_node, else len(gpus), else 1)."
     )
     socket_ifname: str | None = Field(None, description="nodeops: network interface override for this node.")
+    spare: bool = Field(
+        False,
+        description="nodeops: a spare node: set up and checked like the others, it runs no rank until it replaces a "
+        "failed node (needs launch.restarts; never the chief).",
+    )
 
     @field_validator("address")
     @classmethod
@@ -535,6 +540,26 @@ class LaunchSpec(_Model):
         "Seconds, or 90s, 10m, 1h; off unless set (0 is off too). --hang-timeout overrides it.",
     )
 
+    restarts: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="Automatic recovery: after a failure, stop every rank, exclude the failed node, bring in a spare "
+        "(or go on with fewer nodes, down to min_nodes) and relaunch the same command up to this many times "
+        "(NODEOPS_RESTART_COUNT tells the script). 0: stop and report (ssh backend, torchrun).",
+    )
+    restart_on: Literal["infra", "any"] = Field(
+        "infra",
+        description="Which failures restart: 'infra' (a lost node, a hang, a rank killed by a signal, a peer's loss) "
+        "or 'any' (the script's own errors too).",
+    )
+    min_nodes: Annotated[int, Field(ge=1)] | None = Field(
+        None,
+        description="With no spare left, a restart may go on with fewer nodes, down to this many (default: every "
+        "non-spare node, so no shrinking).",
+    )
+    restart_backoff: float = Field(
+        3.0,
+        description="Seconds to wait before the first restart, doubled for each later one (at most 60); 3s, 1m.",
+    )
     flight_recorder: bool | None = Field(
         None,
         description="PyTorch's NCCL flight recorder: every rank gets TORCH_NCCL_TRACE_BUFFER_SIZE=2000, "
@@ -552,6 +577,14 @@ class LaunchSpec(_Model):
         if secs is None:
             raise _err(f"{v!r} is not a duration", "write seconds or a number with a unit: 90, 90s, 10m, 1h")
         return secs or None
+
+    @field_validator("restart_backoff", mode="before")
+    @classmethod
+    def _backoff(cls, v: Any) -> Any:
+        secs = duration_seconds(v)
+        if secs is None:
+            raise _err(f"{v!r} is not a duration", "write seconds or a number with a unit: 3, 3s, 1m")
+        return secs
 
     @field_validator("nproc_per_node", mode="before")
     @classmethod
@@ -725,9 +758,21 @@ class ResourceSpec(_Model):
         return next((n for n in self.nodes if n.chief), self.nodes[0])
 
     def ranked_nodes(self) -> list[Node]:
-        """Nodes in node-rank order: the chief first, then the others in spec order."""
+        """Nodes in node-rank order: the chief first, then the others in spec order (spares too:
+        setup and check treat them as any node)."""
         chief = self.chief
         return [chief] + [n for n in self.nodes if n is not chief]
+
+    def job_nodes(self) -> list[Node]:
+        """The nodes a launch's first attempt runs on, in node-rank order: every node but the spares."""
+        return [n for n in self.ranked_nodes() if not n.spare]
+
+    def spares(self) -> list[Node]:
+        return [n for n in self.ranked_nodes() if n.spare]
+
+    def min_nodes(self) -> int:
+        """How few nodes a recovered run may go on with (launch.min_nodes, else every non-spare node)."""
+        return self.launch.min_nodes or len(self.job_nodes())
 
     def group_name(self, node: Node) -> str | None:
         if node.ssh_config is not None:

@@ -196,6 +196,7 @@ def _cross_checks(raw: dict[str, Any], located: Located, legacy: bool) -> list[S
                 "use an address the other nodes can reach, e.g. the host's LAN IP",
             )
     _slurm_checks(raw, nodes, add)
+    _recovery_checks(raw, nodes, add)
     ssh_raw = raw.get("ssh")
     groups: dict[Any, Any] = ssh_raw if isinstance(ssh_raw, dict) else {}
     group_names = sorted(str(g) for g in groups)
@@ -253,6 +254,32 @@ def _slurm_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]],
     if runner not in (None, "torchrun"):
         add(("launch", "runner"), f"runner {runner} is not supported on Slurm yet (only torchrun under srun)",
             "use runner: torchrun, or backend: ssh")  # fmt: skip
+
+
+def _recovery_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]],
+                     add: Callable[[tuple[str | int, ...], str, str], None]) -> None:  # fmt: skip
+    """Spares, restarts and min_nodes together: what automatic recovery can do."""
+    launch_raw = raw.get("launch")
+    launch: dict[str, Any] = launch_raw if isinstance(launch_raw, dict) else {}
+    restarts = launch.get("restarts") or 0
+    restarts = restarts if isinstance(restarts, int) and not isinstance(restarts, bool) else 0
+    spares = [(i, n) for i, n in nodes if n.get("spare") is True]
+    for i, n in spares:
+        if n.get("chief") is True:
+            add(("nodes", i, "spare"), "the chief cannot be a spare (it runs rank 0 and the run's supervisor)",
+                "mark another node as the spare")  # fmt: skip
+        elif not restarts:
+            add(("nodes", i, "spare"), "a spare runs only when a restart replaces a failed node, and launch.restarts "
+                "is 0", "set launch.restarts (e.g. 3), or remove `spare: true`")  # fmt: skip
+    runner = launch.get("runner")
+    if restarts and runner not in (None, "torchrun"):
+        add(("launch", "restarts"), f"automatic restarts relaunch torchrun on the new set of nodes; runner {runner} "
+            "is not supported yet", "use runner: torchrun, or restarts: 0")  # fmt: skip
+    min_nodes = launch.get("min_nodes")
+    active = len(nodes) - len(spares)
+    if isinstance(min_nodes, int) and not isinstance(min_nodes, bool) and min_nodes > active:
+        add(("launch", "min_nodes"), f"min_nodes {min_nodes} is more than the {active} non-spare node(s)",
+            f"use at most {active}")  # fmt: skip
 
 
 def _warnings(spec: ResourceSpec, located: Located, legacy: bool) -> list[SpecIssue]:

@@ -56,6 +56,9 @@ class JobResult:
     stopped_elsewhere: bool = False  # stopped by a request from elsewhere (nodeops stop), not our Ctrl-C
     folded: dict[str, int] = field(default_factory=dict)  # host -> lines kept out of the live stream
     hang: dict[str, Any] | None = None  # the hang watchdog stopped the run: its report (suspects, groups)
+    # automatic restarts: the attempt followed ended and the supervisor started the next one
+    # (the chief's attempts.json: {"total", "attempts": [...]}); None: the run ended
+    next_attempts: dict[str, Any] | None = None
 
     @property
     def exit_code(self) -> int:
@@ -92,13 +95,31 @@ def host_states(job: Job) -> dict[str, str]:
     return fan_out(job.kill_hosts, one)  # every host of the run: mpirun/deepspeed ranks run where no job.sh is
 
 
-def read_logs(job: Job) -> dict[str, list[str]]:
+def read_logs(job: Job, current: bool = True) -> dict[str, list[str]]:
+    """Every host's log: each earlier attempt's (automatic restarts: ``attempts/N/host.log``, in
+    order), then the current one's (unless ``current`` is False). Hosts without a log are left out."""
+    d = sh_word(remote_dir(job.run_id))
+    script = (f"cd {d} 2>/dev/null || exit 0; for n in $(ls {P.ATTEMPTS_DIR} 2>/dev/null | sort -n); do "
+              f'cat "{P.ATTEMPTS_DIR}/$n/{P.LOG}" 2>/dev/null; done'
+              + (f"; cat {P.LOG} 2>/dev/null" if current else "") + "; exit 0")  # fmt: skip
+
     def one(host: str) -> list[str]:
-        p = subprocess.run(ssh_argv(job.ssh_config, host, "cat", sh_word(f"{remote_dir(job.run_id)}/host.log")),
-                           capture_output=True, text=True, timeout=60, check=False, errors="replace")  # fmt: skip
+        p = subprocess.run(ssh_argv(job.ssh_config, host, script), capture_output=True, text=True, timeout=60,
+                           check=False, errors="replace")  # fmt: skip
         return p.stdout.splitlines()
 
-    return fan_out(job.hosts, one)
+    return {h: lines for h, lines in fan_out(job.kill_hosts, one).items() if lines}
+
+
+def read_attempts(job: Job) -> dict[str, Any] | None:
+    """The chief's attempts.json (automatic restarts), or None."""
+    f = sh_word(f"{remote_dir(job.run_id)}/{P.ATTEMPTS}")
+    try:
+        p = subprocess.run(ssh_argv(job.ssh_config, job.chief, "cat", f), capture_output=True, text=True, timeout=30,
+                           check=False)  # fmt: skip
+        return dict(json.loads(p.stdout)) if p.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError):
+        return None
 
 
 def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, str]:
@@ -237,6 +258,42 @@ def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESU
         time.sleep(0.5)
 
 
+# How long the controller waits for the next attempt (or the verdict) once an attempt's jobs
+# ended: the verdict's wait, the longest back-off, the preflight and the start on every host.
+NEXT_ATTEMPT_WAIT = P.RESULT_WAIT + 60 + 120
+
+
+def await_next(ssh_config: Path, chief: str, run_id: str, attempt: int,
+               wait: float = NEXT_ATTEMPT_WAIT) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:  # fmt: skip
+    """Once attempt ``attempt``'s jobs ended (automatic restarts): ``(result, None)`` when the
+    supervisor wrote its verdict, ``(None, attempts)`` when it started the next attempt (the
+    chief's attempts.json), ``(None, None)`` when neither came within ``wait``."""
+    d = sh_word(remote_dir(run_id))
+    script = (f"cd {d} || exit 3; for _ in $(seq 0 {int(wait * 5)}); do "
+              f"if [ -e {P.RESULT} ]; then echo result; exec cat {P.RESULT}; fi; "
+              f'if [ "$(cat {P.ATTEMPT} 2>/dev/null || echo 1)" -gt {int(attempt)} ]; then echo attempts; '
+              f"exec cat {P.ATTEMPTS}; fi; sleep 0.2; done; exit 4")  # fmt: skip
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True,
+                               timeout=wait + 15, check=False, start_new_session=True)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            continue
+        head, _, body = p.stdout.partition("\n")
+        try:
+            if p.returncode == 0 and head == "result":
+                return dict(json.loads(body)), None
+            if p.returncode == 0 and head == "attempts":
+                return None, dict(json.loads(body))
+        except ValueError:
+            pass
+        if p.returncode == 4:
+            break
+        time.sleep(0.5)
+    return None, None
+
+
 def follow(
     ssh_config: Path,
     hosts: Sequence[str],
@@ -249,6 +306,7 @@ def follow(
     addresses: dict[str, str] | None = None,
     rank_hosts: Sequence[str] = (),
     fold_after_failure: bool = False,
+    attempt: int = 0,
 ) -> JobResult:
     """Stream every host's log until all jobs end, then read the supervisor's verdict.
 
@@ -263,6 +321,9 @@ def follow(
     and every other host's once a host's job has failed. A held host whose own job then fails
     gets its lines emitted at that moment; the rest stay in the logs and the tails and are
     counted in ``folded``, so the failure report is not buried under them.
+    ``attempt`` (automatic restarts: the attempt followed, from 1): once its jobs ended, the
+    supervisor may start the next attempt instead of ending the run; the result then carries it
+    (``next_attempts``) and this attempt's own verdict.
     """
     states = {h: HostState(h) for h in hosts}
     kill_hosts = list(kill_hosts) or list(hosts)
@@ -359,7 +420,16 @@ def follow(
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, previous)
-    result = None if (interrupted and not stop_on_interrupt) else fetch_result(ssh_config, chief, run_id)
+    nxt: dict[str, Any] | None = None
+    if interrupted and not stop_on_interrupt:
+        result = None
+    elif attempt and not interrupted:
+        result, nxt = await_next(ssh_config, chief, run_id, attempt)
+        if nxt is not None:  # this attempt's own verdict, as the supervisor kept it
+            mine = [a for a in nxt.get("attempts") or [] if a.get("attempt") == attempt]
+            result = dict((mine[0].get("result") or {}) if mine else {})
+    else:
+        result = fetch_result(ssh_config, chief, run_id)
     root: HostState | None = None
     stopped = (result or {}).get("outcome") == "stopped"
     hang = (result or {}).get("hang") if (result or {}).get("outcome") == "hung" else None
@@ -390,4 +460,5 @@ def follow(
         stopped_elsewhere=stopped and not interrupted,
         folded={h: len(lines) for h, lines in held.items() if lines},
         hang=hang,
+        next_attempts=nxt,
     )

@@ -33,6 +33,7 @@ from nodeops.transport import fan_out, last_line, ssh_argv
 
 HOME = _shell.HOME_TOKEN
 ROLE = "launch"  # the collection's launch role: its templates/ and files/ are the run files' source
+SHIPPED = ("agent.py", "protocol.py", "stacks.py", "recovery.py")  # beside every host's job (files/)
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,12 @@ def files_from_vars(run: dict[str, Any]) -> dict[str, list[RunFile]]:
     out: dict[str, list[RunFile]] = {}
     for host, hv in run["hosts"].items():
         files = [RunFile(f"{s}.sh", tpl(f"{s}.sh.j2", host=host), "0700") for s in ("follow", "kill", "status")]
-        files += [RunFile(f, (fdir / f).read_text(), "0600") for f in ("agent.py", "protocol.py", "stacks.py")]
+        files += [RunFile(f, (fdir / f).read_text(), "0600") for f in SHIPPED]
         if run["runner"] == "mpirun":
             files.append(RunFile(launchers.MPI_SHIM_FILE, (fdir / launchers.MPI_SHIM_FILE).read_text(), "0755"))
-        if hv["job"] is not None:
-            files.append(RunFile("job.sh", tpl("job.sh.j2", **hv["job"]), "0700"))
+        if hv["job"] is not None:  # a spare's waits under another name until an attempt needs it
+            name = P.SPARE_JOB if hv["node_rank"] < 0 else P.JOB
+            files.append(RunFile(name, tpl("job.sh.j2", **hv["job"]), "0700"))
         if host == run["chief"]:  # the run's one authority, for every runner and any number of hosts
             files.append(RunFile("supervisor.py", (fdir / "supervisor.py").read_text(), "0600"))
             files.append(RunFile(P.RUN_CONFIG, json.dumps(run["run_config"], indent=2), "0600"))

@@ -162,18 +162,41 @@ def supervisor_verdict(result: dict[str, Any]) -> Verdict:
                       teardown_seconds=result.get("teardown_seconds"), raw=result)  # fmt: skip
 
 
+ATTEMPT_KEYS = ("attempt", "hosts", "started", "ended", "outcome", "kind", "culprit", "why", "excluded", "decision",
+                "backoff")  # fmt: skip
+
+
+def attempts_of(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A run's attempts (automatic restarts) as its supervisor recorded them, in a compact form."""
+    out = result.get("attempts") or []
+    return [{k: a[k] for k in ATTEMPT_KEYS if k in a} for a in out if isinstance(a, dict)]
+
+
+def faults(result: dict[str, Any]) -> str:
+    """Every attempt's fault, in words ('' without restarts)."""
+    attempts = attempts_of(result)
+    if len(attempts) < 2 and not any(a.get("culprit") for a in attempts):
+        return ""
+    said = [f"attempt {a['attempt']}: {a.get('kind')} on {a.get('culprit')}"
+            + (f" ({', '.join(a['excluded'])} excluded)" if a.get("excluded") else "")
+            for a in attempts if a.get("culprit")]  # fmt: skip
+    return f"{len(attempts)} attempt(s)" + (f"; faults: {'; '.join(said)}" if said else "")
+
+
 def describe(result: dict[str, Any]) -> str:
-    """The supervisor's verdict in one line."""
+    """The supervisor's verdict in one line (with every attempt's fault, after restarts)."""
     first = result.get("first_failure")
+    more = faults(result)
+    more = f" [{more}]" if more else ""
     if result.get("outcome") == "failed" and first:
         took = result.get("teardown_seconds")
         return (f"failed: first failure on {first['host']} ({first.get('why', '')}); every other host stopped"
-                + (f" in {took:.1f}s" if took is not None else ""))  # fmt: skip
+                + (f" in {took:.1f}s" if took is not None else "") + more)  # fmt: skip
     if result.get("outcome") == "hung" and first:
-        return f"{first.get('why', 'hung')}; suspect host {first['host']}; every rank stopped"
+        return f"{first.get('why', 'hung')}; suspect host {first['host']}; every rank stopped" + more
     return {"ok": "finished: every job exited 0", "stopped": "stopped on request"}.get(
         str(result.get("outcome")), f"supervisor: {result.get('outcome')} {result.get('error', '')}".strip()
-    )
+    ) + more
 
 
 def read_verdict(d: Path) -> Verdict | None:

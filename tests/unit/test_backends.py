@@ -180,7 +180,10 @@ CLI_OPTIONS: Mapping[str, list[str]] = {
     "hang": ["--hang-timeout", "10m"],
 }
 # Capabilities asked for in the spec rather than on the command line.
-SPEC_OPTIONS: Mapping[str, str] = {"flight_recorder": "launch:\n  flight_recorder: true\n"}
+SPEC_OPTIONS: Mapping[str, str] = {
+    "flight_recorder": "launch:\n  flight_recorder: true\n",
+    "restarts": "launch:\n  restarts: 2\n",
+}
 
 
 def spec_for(name: str, tmp_path: Path) -> Path:

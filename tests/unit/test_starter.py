@@ -39,7 +39,7 @@ def test_shell_quote_expands_only_the_home_token() -> None:
 def test_every_host_gets_its_agent_and_only_the_chief_the_supervisor() -> None:
     _, files = files_for(SPEC, ["train.py"])
     names = {h: [f.name for f in fs] for h, fs in files.items()}
-    common = {"follow.sh", "kill.sh", "status.sh", "job.sh", "start.sh", "agent.py", "protocol.py", "stacks.py"}
+    common = {"follow.sh", "kill.sh", "status.sh", "job.sh", "start.sh", *starter.SHIPPED}
     assert set(names["10.0.0.1"]) == common | {"supervisor.py", "run.json"}
     assert set(names["10.0.0.2"]) == common
     job = next(f for f in files["10.0.0.2"] if f.name == "job.sh").content
@@ -55,7 +55,7 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     loaded = load_spec_text(SPEC)
     plan = launchers.plan(loaded.spec, ["x"], "20261122-101500-ab12")
     shipped = [f for f in starter.host_files(loaded, plan, "20261122-101500-ab12", {"hosts": []})["10.0.0.2"]
-               if f.name in ("start.sh", "agent.py", "protocol.py", "stacks.py")]  # fmt: skip
+               if f.name in ("start.sh", *starter.SHIPPED)]  # fmt: skip
     script = starter.bundle("20261122-101500-ab12", [*files, *shipped])
     p = subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True, timeout=30, check=False,
                        env={**os.environ, "HOME": str(tmp_path), "NODEOPS_TEST": "t1"})  # fmt: skip

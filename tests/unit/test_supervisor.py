@@ -28,7 +28,7 @@ def make_run(tmp: Path, jobs: dict[str, str | None], *, agent_final: bool = Fals
     for i, (name, body) in enumerate(jobs.items()):
         d = tmp / name / f"20261122-000000-{os.getpid() % 0xFFFF:04x}{i}"
         d.mkdir(parents=True)
-        for f in ("agent.py", "protocol.py", "stacks.py", "supervisor.py"):
+        for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py", "supervisor.py"):
             shutil.copy(LAUNCH / f, d / f)
         if body is not None:
             (d / "job.sh").write_text(body)
@@ -87,7 +87,7 @@ def test_a_rank_exiting_1_stops_every_host(tmp_path: Path) -> None:
     t0 = time.monotonic()
     res = result_of(chief, start(dirs))
     assert res["outcome"] == "failed"
-    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "exited 1"}
+    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "exited 1", "kind": "script"}
     assert res["hosts"] == {"h1": {"ended": "killed", "left": 0, "lost": ""},  # type: ignore[comparison-overlap]
                             "h2": {"ended": "1", "left": None, "lost": ""},
                             "h3": {"ended": "killed", "left": 0, "lost": ""}}  # fmt: skip
@@ -174,7 +174,12 @@ def test_torchrun_failure_line_starts_the_teardown_before_the_exit(tmp_path: Pat
                            agent_final=True)  # fmt: skip
     t0 = time.monotonic()
     res = result_of(chief, start(dirs))
-    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker (exit code 1)"}
+    assert res["first_failure"] == {
+        "host": "h2",
+        "code": 1,
+        "kind": "script",
+        "why": "torchrun reported a failed worker (exit code 1)",
+    }
     log = (chief / "supervisor.log").read_text()
     assert log.index("stopping every host") < log.index("h2: exit 1"), log
     assert time.monotonic() - t0 < 15
@@ -202,7 +207,12 @@ def test_a_victim_reported_first_is_not_the_root_cause(tmp_path: Path) -> None:
     same instant; either report may reach the supervisor first (on a cluster the chief's guard
     has no ssh hop). The teardown starts at once, and h2 is named either way."""
     res, dirs = victim_and_cause(tmp_path, victim_code=-6, then="sleep 3", cause_after=0.05, cause_then="sleep 3")
-    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker (exit code 1)"}
+    assert res["first_failure"] == {
+        "host": "h2",
+        "code": 1,
+        "kind": "script",
+        "why": "torchrun reported a failed worker (exit code 1)",
+    }
     assert res["hosts"]["h3"]["ended"] == "killed"  # type: ignore[index]
     assert wait_clean(dirs) == []
 
@@ -212,7 +222,12 @@ def test_a_victim_reporting_well_before_the_cause_holds_the_teardown_for_it(tmp_
     reached the failing host before its torchrun reported, and that host ended "killed" with the
     victim named. A victim's report now holds the teardown (PEER_GRACE) for the cause to speak."""
     res, dirs = victim_and_cause(tmp_path, victim_code=1, then="true", cause_after=0.8, cause_then="sleep 0.2")
-    assert res["first_failure"] == {"host": "h2", "code": 1, "why": "torchrun reported a failed worker (exit code 1)"}
+    assert res["first_failure"] == {
+        "host": "h2",
+        "code": 1,
+        "kind": "script",
+        "why": "torchrun reported a failed worker (exit code 1)",
+    }
     hosts = res["hosts"]
     assert hosts["h2"]["ended"] == "1" and hosts["h3"]["ended"] == "killed", hosts  # type: ignore[index]
     assert wait_clean(dirs) == []
@@ -246,7 +261,7 @@ def test_a_dead_host_agent_ends_the_run_instead_of_hanging_it(tmp_path: Path) ->
     time.sleep(1.5)
     os.kill(int((dirs[1] / "agent.pid").read_text()), signal.SIGKILL)  # OOM killer, say
     res = result_of(chief, sup)
-    assert res["first_failure"] == {"host": "h2", "code": None, "why": "its host agent died"}
+    assert res["first_failure"] == {"host": "h2", "code": None, "why": "its host agent died", "kind": "lost"}
     assert wait_clean(dirs) == []
 
 

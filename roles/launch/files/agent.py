@@ -26,6 +26,10 @@ each, then ``stacks-done``.
 ``python3 agent.py stacks [--native] [--method auto|py-spy|signal]``
     Every rank's Python stack on this host (stacks.py), one ``@@nodeops-stack JSON`` line each,
     or ``@@nodeops-stack-none WHY`` when no rank of the run runs here.
+``python3 agent.py preflight`` / ``begin ATTEMPT ENV MARKER`` (automatic restarts, from the
+    supervisor): whether this host is ready for another attempt; make the run dir ready for it
+    (the last attempt's files to ``attempts/N/``). Each prints @@nodeops-begun or
+    ``@@nodeops-not-ready WHY``.
 ``python3 agent.py kill``   stop the run on this host now; prints @@nodeops-stopped or @@nodeops-left N.
 ``python3 agent.py status`` print running / exited CODE / killed / idle / running (N process(es) ...).
 """
@@ -47,9 +51,11 @@ from typing import Any
 
 if __package__:
     from . import protocol as P
+    from . import recovery as R
     from . import stacks as S
-else:  # shipped: protocol.py and stacks.py lie beside this file
+else:  # shipped: protocol.py, recovery.py and stacks.py lie beside this file
     import protocol as P  # type: ignore[import-not-found,no-redef]
+    import recovery as R  # type: ignore[import-not-found,no-redef]
     import stacks as S  # type: ignore[import-not-found,no-redef]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -333,10 +339,54 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             return 0
 
 
+# --------------------------------------------------------------------------- restarts
+def preflight() -> str:
+    """Before an attempt starts here: nothing of the run is still alive, and the job's workdir,
+    env and command are there (``job.sh --preflight``). '' when ready, else why not."""
+    left = tagged_pids()
+    if left:
+        return f"{len(left)} process(es) of the run are still alive here"
+    job = path(P.JOB) if os.path.exists(path(P.JOB)) else path(P.SPARE_JOB)
+    if not os.path.exists(job):
+        return "no job.sh in the run dir"
+    try:
+        p = subprocess.run(["bash", job, "--preflight"], cwd=HERE, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=30)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return "job.sh --preflight did not answer within 30s"
+    lines = [ln for ln in p.stdout.splitlines() if ln.strip()]
+    return "" if p.returncode == 0 else (lines[-1] if lines else f"job.sh --preflight exited {p.returncode}")
+
+
+def begin(attempt: int, env_text: str, marker: str) -> str:
+    """Make this host's run dir ready for attempt ``attempt``: what the previous attempt left
+    (its log, exit code, pgid, ...) moves to ``attempts/<attempt - 1>/``, a spare's job becomes
+    job.sh, ``attempt.env`` gets this attempt's values and the log starts with ``marker``. Then
+    start.sh starts the job as for the first attempt. '' when done, else why not."""
+    if tagged_pids():
+        return "processes of the run are still alive here"
+    old = os.path.join(HERE, P.ATTEMPTS_DIR, str(attempt - 1))
+    for name in (P.PGID, P.EXIT, P.KILLED, P.LOST, P.AGENT_PID, P.HEARTBEAT, P.LOG, P.PROGRESS):
+        if os.path.exists(path(name)):
+            os.makedirs(old, mode=0o700, exist_ok=True)
+            os.replace(path(name), os.path.join(old, name))
+    if not os.path.exists(path(P.JOB)) and os.path.exists(path(P.SPARE_JOB)):
+        os.replace(path(P.SPARE_JOB), path(P.JOB))
+    if not os.path.exists(path(P.JOB)):
+        return "no job.sh in the run dir"
+    write_atomic(P.ATTEMPT_ENV, env_text.rstrip("\n"))
+    with open(path(P.LOG), "a") as f:
+        f.write(marker + "\n")
+    log(f"attempt {attempt} ready")
+    return ""
+
+
 # --------------------------------------------------------------------------- kill / status
 def status() -> str:
     n = len(tagged_pids())
     if not os.path.exists(path(P.JOB)):
+        if os.path.exists(path(P.SPARE_JOB)):
+            return "spare (not used)" + (f" ({n} process(es) of the run alive)" if n else "")
         return f"running ({n} process(es) started from the chief)" if n else "idle"
     code = read(P.EXIT)
     strays = f" ({n} process(es) of the run still alive)" if n else ""
@@ -371,7 +421,15 @@ def main(argv: list[str]) -> int:
     if mode == "status":
         print(status())
         return 0
-    sys.stderr.write("usage: agent.py host|guard|stacks|kill|status\n")
+    if mode == "preflight":
+        why = preflight()
+        print(R.BEGUN if not why else f"@@nodeops-not-ready {why}")
+        return 0
+    if mode == "begin" and len(argv) == 5 and argv[2].isdigit():
+        why = begin(int(argv[2]), argv[3], argv[4])
+        print(R.BEGUN if not why else f"@@nodeops-not-ready {why}")
+        return 0
+    sys.stderr.write("usage: agent.py host|guard|stacks|kill|status|preflight|begin\n")
     return 2
 
 

@@ -29,6 +29,12 @@ SUPERVISOR_LOG = "supervisor.log"
 AGENT_LOG = "agent.log"
 AGENT_PID = "agent.pid"  # the host agent's pid, while it runs
 SUPERVISOR_PID = "supervisor.pid"  # written by the supervisor once it runs
+# Automatic restarts (launch.restarts): see recovery.py.
+SPARE_JOB = "spare-job.sh"  # a spare's job.sh until an attempt gives it a node rank (then renamed job.sh)
+ATTEMPT_ENV = "attempt.env"  # this attempt's node count, node rank, world size and restart count (job.sh reads it)
+ATTEMPTS = "attempts.json"  # the chief's record of every attempt so far (the supervisor's, while it runs)
+ATTEMPT = "attempt"  # the number of the attempt whose jobs the supervisor last started (after the first)
+ATTEMPTS_DIR = "attempts"  # attempts/K/: what attempt K left on a host (host.log, exit_code, ...) once K+1 began
 
 # Markers on stdout of the scripts the controller runs over ssh.
 STARTED = "@@nodeops-started"

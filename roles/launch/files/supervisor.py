@@ -39,9 +39,11 @@ from typing import Any
 
 if __package__:
     from . import protocol as P
+    from . import recovery as R
     from . import stacks as S
-else:  # shipped: protocol.py and stacks.py lie beside this file
+else:  # shipped: protocol.py, recovery.py and stacks.py lie beside this file
     import protocol as P  # type: ignore[import-not-found,no-redef]
+    import recovery as R  # type: ignore[import-not-found,no-redef]
     import stacks as S  # type: ignore[import-not-found,no-redef]
 
 STACKS_WAIT = 40.0  # how long the hang watchdog waits for every guard's stacks
@@ -56,6 +58,27 @@ def log(msg: str) -> None:
         f.write(f"{time.time():.3f} {msg}\n")
 
 
+def on_host(host: dict[str, Any], run_id: str, words: list[str]) -> list[str]:
+    """argv that runs ``words`` in the run dir of ``host``: here for the chief, else over the
+    mesh ssh (strict host keys, batch mode)."""
+    if host.get("local"):
+        return words
+    argv = ["ssh", "-p", str(host.get("port", 22))]
+    for o in SSH_OPTS:
+        argv += ["-o", o]
+    if host.get("user"):
+        argv += ["-l", host["user"]]
+    # ssh joins its arguments into one shell line on the host: quote each word (this file is
+    # shipped stdlib-only, so shlex here; nodeops.quoting.sh_word is the same function)
+    return [*argv, host["address"], "cd " + shlex.quote(P.run_dir(run_id)) + " && " + shlex.join(words)]
+
+
+def agent_argv(host: dict[str, Any], run_id: str, args: list[str]) -> list[str]:
+    if host.get("local"):
+        return [sys.executable, os.path.join(host.get("dir") or HERE, "agent.py"), *args]
+    return on_host(host, run_id, ["python3", "agent.py", *args])
+
+
 class Link:
     """One host's guard process and what it reported."""
 
@@ -64,18 +87,7 @@ class Link:
         self.address: str = host.get("address", "")
         self.has_job = bool(host.get("job", True))
         flags = (["--job"] if self.has_job else []) + flags
-        if host.get("local"):
-            d = host.get("dir") or HERE
-            argv = [sys.executable, os.path.join(d, "agent.py"), "guard", *flags]
-        else:
-            argv = ["ssh", "-p", str(host.get("port", 22))]
-            for o in SSH_OPTS:
-                argv += ["-o", o]
-            if host.get("user"):
-                argv += ["-l", host["user"]]
-            # ssh joins its arguments into one shell line on the host: quote each word (this file is
-            # shipped stdlib-only, so shlex here; nodeops.quoting.sh_word is the same function)
-            argv += [host["address"], shlex.join(["python3", f"{P.run_dir(run_id)}/agent.py", "guard", *flags])]
+        argv = agent_argv(host, run_id, ["guard", *flags])
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      universal_newlines=True, start_new_session=True)  # fmt: skip
         self.lock = threading.Lock()
@@ -127,12 +139,13 @@ def host_result(lk: Link) -> dict[str, Any]:
     return {"ended": lk.ended, "left": lk.left, "lost": lk.lost if lk.ended == "lost" else ""}
 
 
-def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
+def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One attempt on ``hosts`` (their jobs already started): its result, as result.json holds it."""
     run_id = cfg["run_id"]
     hang_timeout = float(cfg.get("hang_timeout") or 0)
     flags = (["--agent-final"] if cfg.get("agent_final") else []) + (["--pdsh"] if cfg.get("pdsh") else [])
     flags += ["--watch-progress"] if hang_timeout else []
-    links = [Link(h, run_id, flags) for h in cfg["hosts"]]
+    links = [Link(h, run_id, flags) for h in hosts]
     by_address = {lk.address: lk for lk in links}
     events: queue.Queue[tuple[Link, str | None]] = queue.Queue()
     for lk in links:
@@ -172,13 +185,17 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
     hang_report: dict[str, Any] | None = None
     held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
 
-    def fail(lk: Link, code: str, why: str, rank: int = P.CAUSE_EXIT, after_stop: bool = False) -> None:
+    reports: list[tuple[str, str]] = []  # (host, kind) of every failure report, in order
+
+    def fail(lk: Link, code: str, why: str, rank: int = P.CAUSE_EXIT, after_stop: bool = False,
+             kind: str = "script") -> None:  # fmt: skip
         """A failure report. The first one starts the teardown at once. Ranks fail together (a
         crashed rank's peers abort within a second), and the first report can come from a
         victim (the chief's guard has no ssh hop): a likelier cause reported soon after becomes
         the first failure instead (``P.replaces_first``)."""
         nonlocal first, outcome, first_rank, first_at
-        entry = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why}
+        entry = {"host": lk.name, "code": int(code) if code.lstrip("-").isdigit() else None, "why": why, "kind": kind}
+        reports.append((lk.name, kind))
         # a job host whose job is ending by itself is spared (it keeps its own exit code)
         spare = lk.name if lk.has_job and code != "lost" else ""
         if first is None and outcome == "ok":
@@ -217,11 +234,13 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
                 first["code"] = int(lk.ended)  # torchrun's failure line came first; this is its exit
             if lk.ended == "killed":
                 if not lk.sent_stop:  # stopped by someone else (an operator, its own dead man's switch)
-                    fail(lk, "lost", "stopped outside the supervisor: " + " ".join(words[2:]), P.CAUSE_LOST)
+                    fail(lk, "lost", "stopped outside the supervisor: " + " ".join(words[2:]), P.CAUSE_LOST,
+                         kind="lost")  # fmt: skip
             elif lk.ended != "0":
                 died = lk.ended == "agent-died"
                 fail(lk, lk.ended, "its host agent died" if died else f"exited {lk.ended}",
-                     P.CAUSE_LOST if died else P.CAUSE_EXIT)  # fmt: skip
+                     P.CAUSE_LOST if died else P.CAUSE_EXIT,
+                     kind="lost" if died else R.kind_of_exit(lk.ended))  # fmt: skip
         elif words[0] == "agent-failed":  # agent-failed CODE own|peer [stopped]
             worker = words[1] if len(words) >= 3 and words[1].lstrip("-").isdigit() else ""
             after_stop = words[-1] == "stopped"
@@ -230,17 +249,19 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
             peer = len(words) >= 3 and words[2] == "peer"
             rank = P.CAUSE_PEER if peer else P.CAUSE_EXIT if worker.startswith("-") or not worker else P.CAUSE_OWN
             detail = f" (exit code {worker}{', after losing a peer' if peer else ''})" if worker else ""
+            kind = "peer" if peer else R.kind_of_exit(worker) if worker else "signal"
             fail(lk, worker if rank == P.CAUSE_OWN else "agent-failed", "torchrun reported a failed worker" + detail,
-                 rank, after_stop)  # fmt: skip
+                 rank, after_stop, kind)  # fmt: skip
         elif words[0] == "pdsh-failed" and len(words) == 3:
-            fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)", P.CAUSE_EXIT)
+            fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)", P.CAUSE_EXIT,
+                 kind=R.kind_of_exit(words[2]))  # fmt: skip
         elif words[0] == "stopped" and len(words) == 2:
             lk.left = int(words[1])
         elif words[0] == "lost-stopped":
             lk.left, lk.ended = int(words[1]), "lost"
             lk.lost = "its guard stopped the run there: " + " ".join(words[2:])
             if not lk.sent_stop:
-                fail(lk, "lost", lk.lost, P.CAUSE_LOST)
+                fail(lk, "lost", lk.lost, P.CAUSE_LOST, kind="lost")
 
     def judge_hang() -> None:
         """Every guard answered (or STACKS_WAIT passed): name the ranks whose stack differs from
@@ -263,7 +284,7 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             why = f"hung: no progress for {hang['idle']:.0f}s; no rank's stack differs from the others'"
         host = culprit["hosts"][0] if culprit is not None and culprit["hosts"] else links[0].name
-        first, outcome = {"host": host, "code": None, "why": why}, "hung"
+        first, outcome = {"host": host, "code": None, "why": why, "kind": "hang"}, "hung"
         log(f"hang: {why}")
         stop_all(why)
 
@@ -301,7 +322,8 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
             gone.add(lk.name)
             if lk.ended is None and not (lk.sent_stop and lk.left is not None):
                 lk.ended = "lost"
-                fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}", P.CAUSE_LOST)
+                fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}", P.CAUSE_LOST,
+                     kind="lost")  # fmt: skip
         else:
             log(f"{lk.name}: {line}")
             handle(lk, line)
@@ -323,7 +345,174 @@ def supervise(cfg: dict[str, Any]) -> dict[str, Any]:
         "hosts": {lk.name: host_result(lk) for lk in links},
         "teardown_seconds": took,
         **({"hang": hang_report} if hang_report is not None else {}),
+        "reports": [list(r) for r in reports],
     }
+
+
+# --------------------------------------------------------------------------- restarts
+def write_json(name: str, data: Any) -> None:
+    tmp = os.path.join(HERE, name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, os.path.join(HERE, name))
+
+
+def on_each(hosts: list[dict[str, Any]], run_id: str, words: Any, timeout: float, ok: str = R.BEGUN) -> dict[str, str]:
+    """Run ``words(host)`` in every host's run dir at once (the agent's preflight, or begin then
+    start.sh): host -> '' when it said ``ok``, else why not."""
+    out: dict[str, str] = {}
+
+    def one(h: dict[str, Any]) -> None:
+        try:
+            p = subprocess.run(on_host(h, run_id, words(h)), cwd=h.get("dir") or HERE, stdin=subprocess.DEVNULL,
+                               capture_output=True, text=True, timeout=timeout, start_new_session=True)  # fmt: skip
+        except subprocess.TimeoutExpired:
+            out[h["name"]] = f"no answer within {timeout:.0f}s"
+            return
+        said = [ln for ln in p.stdout.splitlines() if ln.startswith("@@nodeops-")]
+        if p.returncode == 0 and ok in said:
+            out[h["name"]] = ""
+            return
+        why = next((ln.split(" ", 1)[1] for ln in said if ln.startswith("@@nodeops-not-ready ")), "")
+        err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        out[h["name"]] = why or (err[-1] if err else f"exit {p.returncode}")
+
+    threads = [threading.Thread(target=one, args=(h,), daemon=True) for h in hosts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return {h["name"]: out.get(h["name"], "no answer") for h in hosts}
+
+
+def culprit_of(result: dict[str, Any]) -> tuple[str, str | None, str]:
+    """An attempt's fault: its kind, the host blamed, and why. Ranks that only lost a peer are
+    not the cause when a host was lost in the same attempt."""
+    first = result.get("first_failure") or {}
+    kind, host = str(first.get("kind") or "script"), first.get("host")
+    if kind == "peer":
+        lost = next((h for h, k in result.get("reports") or [] if k == "lost"), None)
+        if lost is not None:
+            kind, host = "lost", lost
+            why = (result.get("hosts", {}).get(lost) or {}).get("lost") or "lost"
+            return kind, host, str(why)
+    return kind, host, str(first.get("why") or "")
+
+
+def stop_requested() -> bool:
+    return os.path.exists(os.path.join(HERE, P.STOP_REQUEST))
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Every attempt of the run: the first on the hosts the controller started; after a failure
+    that restarts (recovery.py), the next on the hosts recovery.next_hosts chose, started from
+    here. attempts.json keeps every attempt; the result is the last one's, with them all."""
+    rec = cfg.get("recovery") or {}
+    restarts = int(rec.get("restarts") or 0)
+    total = restarts + 1
+    active = [dict(h) for h in cfg["hosts"] if not h.get("spare")]
+    spares = [dict(h) for h in cfg["hosts"] if h.get("spare")]
+    attempts: list[dict[str, Any]] = []
+    run_id = cfg["run_id"]
+    start_failed: dict[str, str] = {}  # the hosts where this attempt's job could not be started
+
+    def save(done: bool = False) -> None:
+        if restarts:
+            write_json(P.ATTEMPTS, {"total": total, "attempts": attempts, **({"done": True} if done else {})})
+
+    while True:
+        n = len(attempts) + 1
+        a: dict[str, Any] = {"attempt": n, "hosts": [h["name"] for h in active], "started": time.time()}
+        attempts.append(a)
+        save()
+        if n > 1:  # the controller follows this attempt's hosts from now on (attempts.json names them)
+            with open(os.path.join(HERE, P.ATTEMPT), "w") as f:
+                f.write(f"{n}\n")
+        if start_failed:  # stop what did start; the host that could not start is this attempt's fault
+            on_each(active, run_id, lambda _h: ["python3", "agent.py", "kill"], 30)
+            bad = next(iter(start_failed))
+            result = {"run_id": run_id, "outcome": "failed", "hosts": {}, "teardown_seconds": None,
+                      "first_failure": {"host": bad, "code": None, "kind": "lost",
+                                        "why": f"its job did not start: {start_failed[bad]}"}}  # fmt: skip
+        else:
+            result = supervise(cfg, active)
+        a.update(ended=time.time(), outcome=result["outcome"], result=result)
+        if result["outcome"] not in ("failed", "hung") or not restarts:
+            break
+        kind, culprit, why = culprit_of(result)
+        a.update(kind=kind, culprit=culprit, why=why)
+        again, why_not = R.should_restart(kind, str(rec.get("restart_on") or "infra"), n, restarts)
+        if not again:
+            a["decision"] = f"no restart: {why_not}"
+            break
+        chosen, decision, excluded = choose(active, spares, culprit, kind, int(rec.get("min_nodes") or 1), run_id)
+        a.update(decision=decision if chosen is not None else f"no restart: {decision}", excluded=excluded)
+        if chosen is None:
+            break
+        wait = R.backoff(float(rec.get("backoff") or 0), n)
+        a["backoff"] = wait
+        save()
+        log(f"attempt {n} {result['outcome']} ({kind} on {culprit}: {why}); {decision}; next in {wait:.0f}s")
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not stop_requested():
+            time.sleep(0.2)
+        if stop_requested():  # nothing of the next attempt has started: the run ends here, stopped
+            a["decision"] += "; stopped during the back-off"
+            result = dict(result, outcome="stopped", first_failure=None)
+            break
+        active = [dict(h, job=True) for h in chosen]
+        names = [h["name"] for h in active]
+        note = f"after attempt {n}: {kind} on {culprit}" + (f"; {', '.join(excluded)} excluded" if excluded else "")
+
+        def begin(h: dict[str, Any], k: int = n + 1, note: str = note, hosts: list[dict[str, Any]] = active,
+                  names: list[str] = names) -> list[str]:  # fmt: skip
+            # the host's run dir made ready (agent.py begin), then its job started as the first time
+            return ["sh", "-c", 'python3 agent.py begin "$1" "$2" "$3" | grep -qx "$4" && exec bash start.sh', "begin",
+                    str(k), R.attempt_env(hosts, h["name"], k - 1), R.marker(k, total, names, h["name"], note),
+                    R.BEGUN]  # fmt: skip
+
+        started = on_each(active, run_id, begin, 60, ok=P.STARTED)
+        start_failed = {h: why for h, why in started.items() if why}
+        if start_failed:
+            log("attempt start failed: " + "; ".join(f"{h}: {w}" for h, w in start_failed.items()))
+    result = dict(result)
+    if restarts:
+        for a in attempts:
+            r = a.pop("result", None) or {}
+            a.setdefault("first_failure", r.get("first_failure"))
+            a.setdefault("teardown_seconds", r.get("teardown_seconds"))
+        result["attempts"] = attempts
+        result["attempts_total"] = total
+        save(done=True)
+    return result
+
+
+def choose(active: list[dict[str, Any]], spares: list[dict[str, Any]], culprit: str | None, kind: str,
+           min_nodes: int, run_id: str) -> tuple[list[dict[str, Any]] | None, str, list[str]]:  # fmt: skip
+    """The next attempt's hosts (recovery.next_hosts), each ready by the fast preflight; a host
+    that is not ready is excluded in its turn. Spares brought in are taken from ``spares``.
+    Returns the hosts (None: the run cannot go on), the decision in words, the excluded hosts."""
+    excluded: list[str] = []
+    said: list[str] = []
+    exclude = kind in R.INFRA
+    while True:
+        chosen, spare, decision = R.next_hosts(active, spares, culprit, exclude, min_nodes)
+        said.append(decision)
+        if chosen is None:
+            return None, "; ".join(said), excluded
+        if spare is not None:
+            spares.remove(spare)
+        if culprit is not None and culprit not in [h["name"] for h in chosen] + excluded:
+            excluded.append(culprit)
+        ready = on_each(chosen, run_id, lambda _h: ["python3", "agent.py", "preflight"], 40)
+        bad = [h for h in chosen if ready[h["name"]]]
+        if not bad:
+            return chosen, "; ".join(said), excluded
+        log("preflight: " + "; ".join(f"{h['name']}: {ready[h['name']]}" for h in bad))
+        said.append(f"{bad[0]['name']} not ready ({ready[bad[0]['name']]})")
+        if bad[0]["name"] == chosen[0]["name"]:
+            return None, "; ".join(said), excluded
+        active, culprit, exclude = chosen, bad[0]["name"], True
 
 
 def main() -> int:
@@ -333,7 +522,7 @@ def main() -> int:
         f.write(f"{os.getpid()}\n")
     log("supervising " + ", ".join(h["name"] for h in cfg["hosts"]))
     try:
-        result = supervise(cfg)
+        result = run(cfg)
     except Exception as e:  # never leave the run without a verdict
         result = {"run_id": cfg["run_id"], "outcome": "error", "first_failure": None, "hosts": {},
                   "teardown_seconds": None, "error": repr(e)}  # fmt: skip

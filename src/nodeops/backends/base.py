@@ -53,6 +53,7 @@ class Capabilities:
     hang: bool = False  # launch --hang-timeout / launch.hang_timeout: the hang watchdog
     stacks: bool = False  # nodeops stacks RUN_ID (a command of its own, refused by lifecycle.control)
     flight_recorder: bool = False  # launch.flight_recorder: true (its default, GPUs, is on only where declared)
+    restarts: bool = False  # launch.restarts > 0, spare nodes: automatic recovery
 
 
 # The option that needs each capability, as the user types it (one wording on every backend).
@@ -64,6 +65,7 @@ OPTION_OF: Mapping[str, str] = {
     "sync": "--sync",
     "hang": "--hang-timeout (launch.hang_timeout)",
     "flight_recorder": "launch.flight_recorder: true",
+    "restarts": "launch.restarts (automatic recovery, spare nodes)",
 }
 
 

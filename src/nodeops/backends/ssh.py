@@ -20,6 +20,7 @@ from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, 
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import ignoring_interrupts, sigterm_as_interrupt
 from nodeops.launch import protocol as P
+from nodeops.launch import recovery as R
 from nodeops.launch import stacks as S
 from nodeops.launchers import HostLaunch
 from nodeops.quoting import sh_word
@@ -86,9 +87,27 @@ def supervised_hosts(spec: ResourceSpec, started: list[str]) -> list[dict[str, o
     for node in spec.ranked_nodes():
         name = spec.alias(node)
         group = spec.group(node)
-        out.append({"name": name, "address": node.address, "port": group.port, "user": group.username or "",
-                    "local": node is spec.chief, "job": name in started})  # fmt: skip
+        h: dict[str, object] = {"name": name, "address": node.address, "port": group.port,
+                                "user": group.username or "", "local": node is spec.chief,
+                                "job": name in started}  # fmt: skip
+        if spec.launch.restarts:
+            h.update(spare=node.spare, nproc=spec.nproc(node))
+        out.append(h)
     return out
+
+
+def recovery(spec: ResourceSpec) -> dict[str, object] | None:
+    """The supervisor's restart rules from the spec (None: restarts off)."""
+    lc = spec.launch
+    if not lc.restarts:
+        return None
+    return {"restarts": lc.restarts, "restart_on": lc.restart_on, "min_nodes": spec.min_nodes(),
+            "backoff": lc.restart_backoff}  # fmt: skip
+
+
+def supervisor_config(spec: ResourceSpec, run_id: str, started: list[str]) -> dict[str, Any]:
+    return _launch_plan.run_config(run_id, supervised_hosts(spec, started), spec.launch.runner,
+                                   spec.launch.max_restarts, spec.launch.hang_timeout, recovery(spec))  # fmt: skip
 
 
 def launch_plan(loaded: LoadedSpec, user_argv: list[str], run_id: str, script: str | None) -> list[HostLaunch]:
@@ -111,10 +130,8 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
         out.note(str(w))
     run_id = store.new_run_id()
     plan = launch_plan(loaded, user_argv, run_id, script)
-    started = [h.host for h in plan if h.argv]
-    run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner, s.launch.max_restarts,
-                                         s.launch.hang_timeout)  # fmt: skip
-    files = starter.host_files(loaded, plan, run_id, run_config)
+    started = [h.host for h in plan if h.argv and h.node_rank >= 0]  # spares start nothing yet
+    files = starter.host_files(loaded, plan, run_id, supervisor_config(s, run_id, started))
 
     def home(text: str) -> str:
         return text.replace("@@HOME@@", "~")
@@ -128,9 +145,18 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
     if sync:
         out.note("==> --sync would first copy the workdir source to the nodes that differ")
     out.note("==> a launch would first run the preflight (ssh, ports, versions, workdir, script; --no-check skips it)")
+    if s.launch.restarts:
+        spares = ", ".join(s.alias(n) for n in s.spares()) or "none"
+        out.note(f"==> on a {'failure' if s.launch.restart_on == 'any' else 'lost node, hang or killed rank'}: up to "
+                 f"{s.launch.restarts} restart(s) without the failed node (spares: {spares}; min_nodes "
+                 f"{s.min_nodes()}); the script sees NODEOPS_RESTART_COUNT")  # fmt: skip
     for h in plan:
         node = nodes[h.host]
-        out.out(f"{h.host} ({h.address}, node rank {h.node_rank}, {h.nproc} process(es))")
+        if h.node_rank < 0:
+            out.out(f"{h.host} ({h.address}, spare, {h.nproc} process(es)): runs nothing until a restart gives it "
+                    "a failed node's rank")  # fmt: skip
+        else:
+            out.out(f"{h.host} ({h.address}, node rank {h.node_rank}, {h.nproc} process(es))")
         if not h.argv:
             out.out(f"  command:  none here; the chief's {s.launch.runner} starts its ranks")
         else:
@@ -148,6 +174,17 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
         shipped = ", ".join(f"{f.name} ({f.mode}, {len(f.content.encode())} B)" for f in files[h.host])
         out.out(f"  files to ~/{store.remote_dir(run_id)}/: {shipped}")
     return out
+
+
+def report_attempts(result: dict[str, Any], sink: Sink) -> None:
+    """After restarts: every attempt in a line (what ended it, what was decided)."""
+    attempts = result.get("attempts") or []
+    if len(attempts) < 2 and not any(a.get("decision") for a in attempts):
+        return
+    total = int(result.get("attempts_total") or len(attempts))
+    sink.note(f"==> {len(attempts)} attempt(s):")
+    for a in attempts:
+        sink.note(f"    {R.describe(a, total)}")
 
 
 def report_hang(job: store.Job, hang: dict[str, Any], sink: Sink) -> None:
@@ -184,6 +221,29 @@ def report_flight(job: store.Job, sink: Sink) -> None:
     if got:
         sink.note(f"    NCCL flight recorder dumps ({sum(got.values())} from {', '.join(got)}): "
                   f"{job.dir / S.FLIGHT_DIR}")  # fmt: skip
+
+
+RESTARTS = "restarts"  # in an ssh run's handle: launch.restarts (its attempts are followed one by one)
+
+
+def follow_attempts(job: store.Job, hosts: list[str], emit: Emit, sink: Sink, *, attempt: int,
+                    stop_on_interrupt: bool = True, fold: bool = False,
+                    addresses: dict[str, str] | None = None) -> ssh_run.JobResult:  # fmt: skip
+    """Follow the run's logs to its end: with automatic restarts, attempt after attempt (each on
+    the hosts the supervisor chose for it), saying what ended each one and what comes next."""
+    while True:
+        res = ssh_run.follow(job.ssh_config, hosts, job.run_id, emit, chief=job.chief,
+                             stop_on_interrupt=stop_on_interrupt, kill_hosts=job.kill_hosts, addresses=addresses,
+                             rank_hosts=job.rank_hosts, fold_after_failure=fold, attempt=attempt)  # fmt: skip
+        if res.next_attempts is None:
+            return res
+        attempts, total = res.next_attempts.get("attempts") or [], int(res.next_attempts.get("total") or 0)
+        done: dict[str, Any] = next((a for a in attempts if a.get("attempt") == attempt), {})
+        nxt = attempts[-1]
+        sink.note(f"==> {R.describe(done, total)}")
+        sink.note(f"==> attempt {nxt['attempt']}/{total} on {','.join(nxt['hosts'])}"
+                  + (f" (after a {done['backoff']:.0f}s back-off)" if done.get("backoff") else ""))  # fmt: skip
+        hosts, attempt = list(nxt["hosts"]), int(nxt["attempt"])
 
 
 def keep_verdict(local: Path, res: ssh_run.JobResult) -> store.Verdict | None:
@@ -249,7 +309,7 @@ def run_job(
     plan = launch_plan(loaded, user_argv, run_id, script)
     if extra_env:
         plan = [dataclasses.replace(h, env={**h.env, **extra_env}) if h.argv else h for h in plan]
-    started = [h.host for h in plan if h.argv]
+    started = [h.host for h in plan if h.argv and h.node_rank >= 0]  # spares start nothing yet
     all_hosts = [h.host for h in plan]
     addresses = {n.address: s.alias(n) for n in s.nodes}
     rank_hosts = launchers.rank_hosts(s) if s.launch.runner == "mpirun" else []  # mpirun's tagged lines
@@ -258,7 +318,8 @@ def run_job(
     job = store.Job(run_id=run_id, dir=local, hosts=started, argv=user_argv, runner=s.launch.runner, chief=chief,
                    spec=str(spec_path.resolve()), started=time.time(), rank_hosts=rank_hosts,
                    all_hosts=all_hosts, pdsh_hosts=pdsh_hosts,
-                   handle={FLIGHT: "1"} if s.flight_recorder() else {})  # fmt: skip
+                   handle={**({FLIGHT: "1"} if s.flight_recorder() else {}),
+                           **({RESTARTS: str(s.launch.restarts)} if s.launch.restarts else {})})  # fmt: skip
     # `nodeops clean` leaves a run alone while this process starts it (until the supervisor runs)
     store.mark_starting(local)
     job.save()
@@ -267,9 +328,7 @@ def run_job(
         with sigterm_as_interrupt():
             # announced inside the block: a Ctrl-C right after this line still stops what started
             sink.note(f"==> run {run_id}: starting {s.launch.runner} on {', '.join(started)} (via {via})")
-            run_config = _launch_plan.run_config(run_id, supervised_hosts(s, started), s.launch.runner,
-                                                 s.launch.max_restarts, s.launch.hang_timeout)  # fmt: skip
-            run = starter.run_vars(loaded, plan, run_id, run_config)
+            run = starter.run_vars(loaded, plan, run_id, supervisor_config(s, run_id, started))
             files = starter.files_from_vars(run)
             for h in plan:
                 if h.argv:
@@ -307,8 +366,8 @@ def run_job(
     sink.note(f"==> started in {time.monotonic() - t0:.1f}s; following logs (Ctrl-C stops every rank)")
     emit = emit or emitter(rank_hosts, pdsh_hosts, sink.line)
     try:
-        res = ssh_run.follow(local / "ssh_config", started, run_id, emit, chief=chief, kill_hosts=all_hosts,
-                          addresses=addresses, rank_hosts=rank_hosts, fold_after_failure=True)  # fmt: skip
+        res = follow_attempts(job, started, emit, sink, attempt=1 if s.launch.restarts else 0, fold=True,
+                              addresses=addresses)  # fmt: skip
     except KeyboardInterrupt:  # in the instant before follow() took over Ctrl-C
         with ignoring_interrupts():
             ssh_run.request_stop(local / "ssh_config", chief, run_id)
@@ -344,11 +403,13 @@ def run_job(
         else:
             sink.note(f"==> {teardown_summary(res.teardown_problems)}")
         report_flight(job, sink)
+        report_attempts(res.supervisor or {}, sink)
         raise ExitWith(res.exit_code)
     if res.teardown_problems:
         raise ExitWith(EXIT_FAILURE, f"==> run {run_id}: every host exited 0, but "
                        f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
-    sink.note(f"==> run {run_id} finished: every host exited 0")
+    more = store.faults(res.supervisor or {})
+    sink.note(f"==> run {run_id} finished: every host exited 0" + (f" ({more})" if more else ""))
 
 
 # Shell helpers for the remote checks: `alive ID DIR` is true while a process of the run lives
@@ -384,7 +445,7 @@ class SshBackend(Backend):
     name: ClassVar[str] = "ssh"
     capabilities: ClassVar[Capabilities] = Capabilities(
         runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, via_ansible=True, script=True,
-        fabric=True, sync=True, preflight=True, hang=True, stacks=True, flight_recorder=True,
+        fabric=True, sync=True, preflight=True, hang=True, stacks=True, flight_recorder=True, restarts=True,
     )  # fmt: skip
 
     def summary(self, loaded: LoadedSpec) -> str:
@@ -406,8 +467,16 @@ class SshBackend(Backend):
 
     def status(self, job: store.Job, sink: Sink) -> None:
         states = ssh_run.host_states(job)
+        attempts = ssh_run.read_attempts(job) if job.handle.get(RESTARTS) else None
+        excluded = {h for a in (attempts or {}).get("attempts") or [] for h in a.get("excluded") or []}
         for host, state in states.items():
-            sink.out(f"{host:12} {state}")
+            sink.out(f"{host:12} {state}" + ("  (excluded by a restart)" if host in excluded else ""))
+        if attempts:
+            for a in attempts.get("attempts") or []:
+                sink.note(f"{R.describe(a, int(attempts.get('total') or 0))}")
+        if job.handle.get(RESTARTS) and states.get(job.chief, "").startswith("unreachable"):
+            sink.note(f"the chief {job.chief} is unreachable: its supervisor makes the restarts, so this run "
+                      "cannot recover (every other host stops its ranks within seconds of losing it)")  # fmt: skip
         verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
         if verdict is not None:
             sink.note(f"run {job.run_id}: {store.describe(verdict)}")
@@ -415,15 +484,23 @@ class SshBackend(Backend):
                 report_hang(job, verdict["hang"], sink)
             if verdict.get("outcome") in ("failed", "hung"):
                 report_flight(job, sink)
-        bad = [h for h, s in states.items() if not (s.startswith("running") or s in ("exited 0", "idle"))]
+        fine = [h for h, st in states.items()
+                if st.startswith(("running", "spare (not used)")) or st in ("exited 0", "idle")]  # fmt: skip
+        bad = [h for h in states if h not in fine and h not in excluded]
         if bad:
             raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: not ok on {', '.join(bad)}")
 
     def logs(self, job: store.Job, follow: bool, sink: Sink) -> None:
         emit = emitter(job.rank_hosts, job.pdsh_hosts, sink.line)
         if follow:
-            res = ssh_run.follow(job.ssh_config, job.hosts, job.run_id, emit, chief=job.chief, stop_on_interrupt=False,
-                              kill_hosts=job.kill_hosts, rank_hosts=job.rank_hosts)  # fmt: skip
+            hosts, attempt = job.hosts, 0
+            if job.handle.get(RESTARTS):  # the earlier attempts' logs, then the current one's, followed
+                for host, lines in ssh_run.read_logs(job, current=False).items():
+                    for line in lines:
+                        emit(host, line)
+                current = ((ssh_run.read_attempts(job) or {}).get("attempts") or [{}])[-1]
+                hosts, attempt = list(current.get("hosts") or job.hosts), int(current.get("attempt") or 1)
+            res = follow_attempts(job, hosts, emit, sink, attempt=attempt, stop_on_interrupt=False)
             if res.interrupted:
                 sink.note(f"==> stopped following; run {job.run_id} goes on (nodeops stop {job.run_id} stops it)")
             raise ExitWith(res.exit_code)

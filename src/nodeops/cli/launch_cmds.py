@@ -178,4 +178,6 @@ def runner_prefix(
         if node is None:
             names = ", ".join(s.alias(n) for n in s.nodes)
             fail(f"error: --host {host} is not in the spec (hosts: {names})", EXIT_SPEC)
+        if node.spare:
+            fail(f"error: --host {host} is a spare: it has no node rank until a restart gives it one", EXIT_SPEC)
         typer.echo(shlex.join(prefix(s, node, run_id)))

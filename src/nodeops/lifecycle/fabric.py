@@ -24,8 +24,10 @@ def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, sink: Sink, 
     interface settings and ports; NCCL's network lines switched on) and judge its result."""
     s = loaded.spec
     # torchrun whatever the job's runner: one process per GPU (or one per node), the same ports.
-    launch = s.launch.model_copy(update={"runner": "torchrun", "max_restarts": 0})
-    as_torchrun = dataclasses.replace(loaded, spec=s.model_copy(update={"launch": launch}))
+    # Every node is measured, spares too, once: the probe is never restarted.
+    launch = s.launch.model_copy(update={"runner": "torchrun", "max_restarts": 0, "restarts": 0})
+    nodes = [n.model_copy(update={"spare": False}) for n in s.nodes]
+    as_torchrun = dataclasses.replace(loaded, spec=s.model_copy(update={"launch": launch, "nodes": nodes}))
     names = [s.alias(n) for n in s.ranked_nodes()]
     run_id = store.new_run_id()
     thresholds = s.network.fabric

@@ -22,6 +22,8 @@ def refuse_unsupported(backend: Backend, request: LaunchRequest, spec: ResourceS
         asked["hang"] = True
     if spec is not None and spec.launch.flight_recorder:
         asked["flight_recorder"] = True
+    if spec is not None and (spec.launch.restarts or spec.spares()):
+        asked["restarts"] = True
     bad = backend.refusals(asked)
     if bad:
         raise UsageError(f"{', '.join(bad)} cannot be used with backend: {backend.name} (nothing was run)")

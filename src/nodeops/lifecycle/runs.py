@@ -50,12 +50,13 @@ class Run:
     exit_code: int | None = None
     size: int = 0  # bytes of its record on the controller
     verdict: bool = False  # the state is the supervisor's verdict (else inferred from what is left)
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # automatic restarts: every attempt, as recorded
 
     def row(self) -> dict[str, Any]:
         j = self.job
         return {"run_id": j.run_id, "spec": j.spec, "runner": j.runner, "hosts": j.kill_hosts, "chief": j.chief,
                 "state": self.state, "started": j.started, "exit_code": self.exit_code, "detail": self.detail,
-                "argv": j.argv}  # fmt: skip
+                "argv": j.argv, "attempts": self.attempts}  # fmt: skip
 
 
 def apply_verdict(run: Run, verdict: store.Verdict) -> None:
@@ -63,6 +64,7 @@ def apply_verdict(run: Run, verdict: store.Verdict) -> None:
     run.state = verdict.outcome
     run.detail = verdict.detail
     run.exit_code = verdict.exit_code
+    run.attempts = store.attempts_of(verdict.raw)
 
 
 def _size(d: Path) -> int:

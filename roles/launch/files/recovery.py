@@ -1,0 +1,118 @@
+"""nodeops launch: automatic restarts (``launch.restarts``), the rules. Stdlib only (Python 3.8+),
+shipped beside the supervisor, which applies them on the chief; the controller reads the same
+records (``attempts.json``) to show them.
+
+When an attempt fails, the supervisor asks, in order:
+
+- what kind of failure it was (:func:`kind_of`): ``lost`` (a host's guard or agent gone: the
+  machine, its ssh or the agent died), ``hang`` (the hang watchdog), ``signal`` (a rank or the
+  job killed by a signal, the OOM killer included), ``peer`` (ranks that only report a lost
+  peer), ``script`` (the script's own error: an exit code of its own);
+- whether it restarts (:func:`should_restart`): ``restart_on: infra`` restarts every kind but
+  ``script``; ``any`` restarts them all; never more than ``restarts`` times;
+- on which hosts (:func:`next_hosts`): an infrastructure fault excludes the culprit host (the one
+  the root-cause rule named); the first spare left takes its node rank, else the run goes on with
+  one node fewer while that leaves at least ``min_nodes``; the chief is never excluded (it runs
+  rank 0 and this supervisor);
+- after how long (:func:`backoff`): ``restart_backoff`` doubled per restart, at most 60 s.
+
+Each attempt's ranks get :func:`attempt_env` (node count, node rank, world size, restart count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+INFRA = ("lost", "hang", "signal", "peer")  # the kinds restart_on: infra restarts
+KINDS = (*INFRA, "script")
+MAX_BACKOFF = 60.0
+BEGUN = "@@nodeops-begun"  # agent.py begin: this host is ready for the attempt
+
+
+def kind_of_exit(code: Any) -> str:
+    """A job's or a worker's exit code: killed by a signal (negative, as torchrun reports a worker
+    that died of one, or 128+N from a shell) or the script's own error."""
+    try:
+        n = int(code)
+    except (TypeError, ValueError):
+        return "lost"
+    return "signal" if n < 0 or n > 128 else "script"
+
+
+def should_restart(kind: str, restart_on: str, done: int, restarts: int) -> tuple[bool, str]:
+    """Whether attempt ``done`` (1-based) that failed with ``kind`` is followed by another, and
+    if not, why not (said in the verdict)."""
+    if restarts <= 0:
+        return False, ""
+    if done > restarts:
+        return False, f"no restart left ({restarts} used)"
+    if restart_on != "any" and kind not in INFRA:
+        return False, "the script's own error (restart_on: infra restarts only infrastructure faults)"
+    return True, ""
+
+
+def next_hosts(
+    active: Sequence[dict[str, Any]],
+    spares: Sequence[dict[str, Any]],
+    culprit: str | None,
+    exclude: bool,
+    min_nodes: int,
+) -> tuple[list[dict[str, Any]] | None, dict[str, Any] | None, str]:
+    """The next attempt's hosts in node-rank order, the spare brought in (or None), and what was
+    decided, in words. None for the hosts when the run cannot go on. ``active[0]`` is the chief."""
+    names = [h["name"] for h in active]
+    if not exclude or culprit is None or culprit not in names:
+        return list(active), None, "on the same nodes"
+    if culprit == names[0]:
+        return list(active), None, f"on the same nodes ({culprit} is the chief, which cannot be excluded)"
+    at = names.index(culprit)
+    if spares:
+        spare = spares[0]
+        new = [*active[:at], spare, *active[at + 1 :]]
+        return new, spare, f"{culprit} excluded; spare {spare['name']} takes its node rank {at}"
+    if len(active) - 1 >= min_nodes:
+        new = [*active[:at], *active[at + 1 :]]
+        return new, None, f"{culprit} excluded; no spare left: going on with {len(new)} node(s) (min_nodes {min_nodes})"
+    return None, None, (f"{culprit} excluded and no spare left: {len(active) - 1} node(s) would be fewer than "
+                        f"min_nodes {min_nodes}")  # fmt: skip
+
+
+def backoff(base: float, restart: int) -> float:
+    """Seconds before restart number ``restart`` (1 for the first)."""
+    return float(min(MAX_BACKOFF, max(0.0, base) * 2.0 ** max(0, restart - 1)))
+
+
+def attempt_env(hosts: Sequence[dict[str, Any]], name: str, restart: int) -> str:
+    """``attempt.env`` for host ``name`` in an attempt on ``hosts`` (node-rank order, each with
+    its ``nproc``): sourced by job.sh after everything else, so these win. Digits only."""
+    names = [h["name"] for h in hosts]
+    world = sum(int(h.get("nproc", 1)) for h in hosts)
+    rank = names.index(name)
+    values = {"NNODES": len(hosts), "NODE_RANK": rank, "WORLD_SIZE": world, "PET_NNODES": len(hosts),
+              "PET_NODE_RANK": rank, "NODEOPS_RESTART_COUNT": restart, "NODEOPS_ATTEMPT": restart + 1}  # fmt: skip
+    return "".join(f"export {k}={int(v)}\n" for k, v in values.items())
+
+
+def marker(attempt: int, total: int, hosts: Sequence[str], name: str, why: str) -> str:
+    """The line each host's log starts an attempt with (`nodeops logs` shows where each begins)."""
+    return (f"==> nodeops: attempt {attempt}/{total} on {','.join(hosts)} (node rank {list(hosts).index(name)})"
+            + (f"; {why}" if why else ""))  # fmt: skip
+
+
+def describe(a: dict[str, Any], total: int) -> str:
+    """One attempt in one line: 'attempt 2/3 on node1,node2,node4: failed (node3 lost: ...); node3 excluded'."""
+    head = f"attempt {a.get('attempt')}/{total} on {','.join(a.get('hosts') or [])}"
+    outcome = a.get("outcome")
+    if outcome is None:
+        return head + ": running"
+    if outcome == "ok":
+        return head + ": finished, every rank exited 0"
+    if outcome == "stopped":
+        return head + ": stopped on request"
+    text = f"{head}: {outcome}"
+    if a.get("culprit"):
+        text += f" ({a.get('kind')} on {a['culprit']}: {a.get('why', '')})"
+    if a.get("decision"):
+        text += f"; {a['decision']}"
+    return text
