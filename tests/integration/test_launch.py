@@ -107,7 +107,7 @@ def test_torchrun_3x1_every_rank_reports_the_same_hash(project: Path, first_run:
     hashes = re.findall(r"^(node\d) \[rank(\d)\]:final param hash (\w+)$", p.stdout, re.M)
     assert sorted((h, r) for h, r, _ in hashes) == [("node1", "0"), ("node2", "1"), ("node3", "2")]
     assert len({d for _, _, d in hashes}) == 1
-    assert re.search(r"^node2 \[rank1\]:rank 1/3 on node2 NODE_RANK=1$", p.stdout, re.M)
+    assert re.search(r"^node2 \[rank1\]:rank 1/3 on node2 NODE_RANK=1 restart 0$", p.stdout, re.M)
     assert "every host exited 0" in p.stderr
 
 

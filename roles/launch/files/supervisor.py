@@ -437,6 +437,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         else:
             result = supervise(cfg, active)
         a.update(ended=time.time(), outcome=result["outcome"], result=result)
+        log(f"attempt {n} ended: {result['outcome']}")
         if result["outcome"] not in ("failed", "hung") or not restarts:
             break
         kind, culprit, why = culprit_of(result)
@@ -449,6 +450,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         a.update(decision=decision if chosen is not None else f"no restart: {decision}", excluded=excluded)
         if chosen is None:
             break
+        log("preflight ok on " + ", ".join(h["name"] for h in chosen))
         wait = R.backoff(float(rec.get("backoff") or 0), n)
         a["backoff"] = wait
         save()
@@ -475,6 +477,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         start_failed = {h: why for h, why in started.items() if why}
         if start_failed:
             log("attempt start failed: " + "; ".join(f"{h}: {w}" for h, w in start_failed.items()))
+        else:
+            log(f"attempt {n + 1} started on {', '.join(names)}")
     result = dict(result)
     if restarts:
         for a in attempts:
