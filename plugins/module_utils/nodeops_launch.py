@@ -99,13 +99,16 @@ def plan(
     def entry(prefix: list[str]) -> list[str]:
         return ["bash", script, *user_argv] if script else [*prefix, *user_argv]
 
-    if elastic:  # each attempt's attempt.env says these
-        for name in ("NNODES", "WORLD_SIZE"):
-            del base_env[name]
     every = [*nodes, *spares]
     out: list[dict[str, Any]] = []
     for rank, node in enumerate(every):
-        env = dict(base_env) if elastic else {**base_env, "NODE_RANK": str(rank)}
+        env = {**base_env, "NODE_RANK": str(rank)}
+        if elastic and rank < len(nodes):  # the first attempt's; a later attempt.env overrides them
+            env.update({"PET_NNODES": str(len(nodes)), "PET_NODE_RANK": str(rank), "NODEOPS_RESTART_COUNT": "0",
+                        "NODEOPS_ATTEMPT": "1"})  # fmt: skip
+        elif elastic:  # a spare: only an attempt.env gives it these
+            for name in ("NNODES", "WORLD_SIZE", "NODE_RANK"):
+                del env[name]
         prefix: list[str] = []
         if runner == "torchrun":
             prefix = torchrun_prefix(every, rank, run_id, rdzv=rdzv, master_port=master_port, rdzv_port=rdzv_port,

@@ -264,8 +264,9 @@ def _recovery_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]
     restarts = launch.get("restarts") or 0
     restarts = restarts if isinstance(restarts, int) and not isinstance(restarts, bool) else 0
     spares = [(i, n) for i, n in nodes if n.get("spare") is True]
+    explicit = any(n.get("chief") is True for _, n in nodes)
     for i, n in spares:
-        if n.get("chief") is True:
+        if n.get("chief") is True or (not explicit and i == nodes[0][0]):
             add(("nodes", i, "spare"), "the chief cannot be a spare (it runs rank 0 and the run's supervisor)",
                 "mark another node as the spare")  # fmt: skip
         elif not restarts:

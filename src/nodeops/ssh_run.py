@@ -258,26 +258,25 @@ def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESU
         time.sleep(0.5)
 
 
-# How long the controller waits for the next attempt (or the verdict) once an attempt's jobs
-# ended: the verdict's wait, the longest back-off, the preflight and the start on every host.
-NEXT_ATTEMPT_WAIT = P.RESULT_WAIT + 60 + 120
-
-
 def await_next(ssh_config: Path, chief: str, run_id: str, attempt: int,
-               wait: float = NEXT_ATTEMPT_WAIT) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:  # fmt: skip
+               wait: float = P.RESULT_WAIT) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:  # fmt: skip
     """Once attempt ``attempt``'s jobs ended (automatic restarts): ``(result, None)`` when the
-    supervisor wrote its verdict, ``(None, attempts)`` when it started the next attempt (the
-    chief's attempts.json), ``(None, None)`` when neither came within ``wait``."""
+    supervisor wrote its verdict, ``(None, attempts)`` when it started a later attempt (the
+    chief's attempts.json). It waits as long as the supervisor lives (a back-off, a preflight
+    and a start take what they take), and ``wait`` seconds more once it is gone; ``(None,
+    None)`` when neither came."""
     d = sh_word(remote_dir(run_id))
-    script = (f"cd {d} || exit 3; for _ in $(seq 0 {int(wait * 5)}); do "
+    script = (f"cd {d} || exit 3; dead=0; for _ in $(seq 0 300); do "
               f"if [ -e {P.RESULT} ]; then echo result; exec cat {P.RESULT}; fi; "
               f'if [ "$(cat {P.ATTEMPT} 2>/dev/null || echo 1)" -gt {int(attempt)} ]; then echo attempts; '
-              f"exec cat {P.ATTEMPTS}; fi; sleep 0.2; done; exit 4")  # fmt: skip
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
+              f"exec cat {P.ATTEMPTS}; fi; "
+              f'p=$(cat {P.SUPERVISOR_PID} 2>/dev/null); if grep -qs supervisor.py "/proc/$p/cmdline"; then dead=0; '
+              f"else dead=$((dead + 1)); [ $dead -gt {int(wait * 5)} ] && exit 4; fi; "
+              "sleep 0.2; done; exit 5")  # fmt: skip
+    while True:
         try:
-            p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True,
-                               timeout=wait + 15, check=False, start_new_session=True)  # fmt: skip
+            p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True, timeout=120,
+                               check=False, start_new_session=True)  # fmt: skip
         except subprocess.TimeoutExpired:
             continue
         head, _, body = p.stdout.partition("\n")
@@ -288,10 +287,9 @@ def await_next(ssh_config: Path, chief: str, run_id: str, attempt: int,
                 return None, dict(json.loads(body))
         except ValueError:
             pass
-        if p.returncode == 4:
-            break
-        time.sleep(0.5)
-    return None, None
+        if p.returncode != 5:  # 5: the supervisor is still at work; anything else: no more to wait for
+            return None, None
+        time.sleep(0.2)
 
 
 def follow(

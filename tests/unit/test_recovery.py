@@ -198,3 +198,24 @@ def test_a_stop_during_the_back_off_starts_nothing(tmp_path: Path) -> None:
     assert not (dirs[2] / P.PGID).exists() and not (dirs[2] / P.ATTEMPT_ENV).exists()  # the spare: untouched
     assert not (dirs[0] / P.ATTEMPTS_DIR).exists()
     assert wait_clean(dirs) == [] and ours(dirs) == []
+
+
+def test_the_first_attempt_gets_its_ranks_from_the_plan_and_a_spare_gets_none() -> None:
+    """With restarts on, torchrun's node count and rank come from the env (PET_*), never argv, so
+    a later attempt.env can change them; the first attempt's are in the plan's env."""
+    from nodeops import launchers
+    from nodeops.loading import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / "recovery.happy.yaml").spec
+    plan = {h.host: h for h in launchers.plan(spec, ["t.py"], "20261124-000000-ab12")}
+    assert [(h, p.node_rank) for h, p in plan.items()] == [("10.0.0.1", 0), ("10.0.0.2", 1), ("10.0.0.3", 2),
+                                                           ("10.0.0.4", -1)]  # fmt: skip
+    for host, p in plan.items():
+        assert "--nnodes" not in p.argv and "--node-rank" not in p.argv, p.argv
+        if p.node_rank >= 0:
+            assert {k: p.env[k] for k in ("NNODES", "NODE_RANK", "WORLD_SIZE", "PET_NNODES", "PET_NODE_RANK",
+                                          "NODEOPS_RESTART_COUNT")} == {
+                "NNODES": "3", "NODE_RANK": str(p.node_rank), "WORLD_SIZE": "3", "PET_NNODES": "3",
+                "PET_NODE_RANK": str(p.node_rank), "NODEOPS_RESTART_COUNT": "0"}, host  # fmt: skip
+        else:
+            assert not {"NNODES", "NODE_RANK", "WORLD_SIZE", "PET_NNODES", "PET_NODE_RANK"} & set(p.env), p.env

@@ -366,7 +366,7 @@ def begin(attempt: int, env_text: str, marker: str) -> str:
     if tagged_pids():
         return "processes of the run are still alive here"
     old = os.path.join(HERE, P.ATTEMPTS_DIR, str(attempt - 1))
-    for name in (P.PGID, P.EXIT, P.KILLED, P.LOST, P.AGENT_PID, P.HEARTBEAT, P.LOG, P.PROGRESS):
+    for name in (P.PGID, P.EXIT, P.KILLED, P.LOST, P.AGENT_PID, P.HEARTBEAT, P.LOG, P.PROGRESS, P.HANG):
         if os.path.exists(path(name)):
             os.makedirs(old, mode=0o700, exist_ok=True)
             os.replace(path(name), os.path.join(old, name))

@@ -392,10 +392,10 @@ def culprit_of(result: dict[str, Any]) -> tuple[str, str | None, str]:
     kind, host = str(first.get("kind") or "script"), first.get("host")
     if kind == "peer":
         lost = next((h for h, k in result.get("reports") or [] if k == "lost"), None)
-        if lost is not None:
-            kind, host = "lost", lost
-            why = (result.get("hosts", {}).get(lost) or {}).get("lost") or "lost"
-            return kind, host, str(why)
+        if lost is None:  # every rank only lost a peer (the network?): nobody to blame, nobody excluded
+            return kind, None, str(first.get("why") or "")
+        why = (result.get("hosts", {}).get(lost) or {}).get("lost") or "lost"
+        return "lost", lost, str(why)
     return kind, host, str(first.get("why") or "")
 
 
@@ -425,11 +425,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         a: dict[str, Any] = {"attempt": n, "hosts": [h["name"] for h in active], "started": time.time()}
         attempts.append(a)
         save()
-        if n > 1:  # the controller follows this attempt's hosts from now on (attempts.json names them)
+        if n > 1 and not start_failed:  # the controller follows this attempt's hosts from now on
             with open(os.path.join(HERE, P.ATTEMPT), "w") as f:
                 f.write(f"{n}\n")
         if start_failed:  # stop what did start; the host that could not start is this attempt's fault
-            on_each(active, run_id, lambda _h: ["python3", "agent.py", "kill"], 30)
+            on_each(active, run_id, lambda _h: ["python3", "agent.py", "kill"], 30, ok=P.STOPPED)
             bad = next(iter(start_failed))
             result = {"run_id": run_id, "outcome": "failed", "hosts": {}, "teardown_seconds": None,
                       "first_failure": {"host": bad, "code": None, "kind": "lost",
@@ -462,6 +462,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             a["decision"] += "; stopped during the back-off"
             result = dict(result, outcome="stopped", first_failure=None)
             break
+        if stop_requested():  # asked during the preflight: nothing was started
+            a["decision"] += "; stopped before the next attempt"
+            result = dict(result, outcome="stopped", first_failure=None)
+            break
         active = [dict(h, job=True) for h in chosen]
         names = [h["name"] for h in active]
         note = f"after attempt {n}: {kind} on {culprit}" + (f"; {', '.join(excluded)} excluded" if excluded else "")
@@ -469,12 +473,19 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         def begin(h: dict[str, Any], k: int = n + 1, note: str = note, hosts: list[dict[str, Any]] = active,
                   names: list[str] = names) -> list[str]:  # fmt: skip
             # the host's run dir made ready (agent.py begin), then its job started as the first time
-            return ["sh", "-c", 'python3 agent.py begin "$1" "$2" "$3" | grep -qx "$4" && exec bash start.sh', "begin",
+            script = 'o=$(python3 agent.py begin "$1" "$2" "$3"); echo "$o"; [ "$o" = "$4" ] && exec bash start.sh'
+            return ["sh", "-c", script, "begin",
                     str(k), R.attempt_env(hosts, h["name"], k - 1), R.marker(k, total, names, h["name"], note),
                     R.BEGUN]  # fmt: skip
 
         started = on_each(active, run_id, begin, 60, ok=P.STARTED)
         start_failed = {h: why for h, why in started.items() if why}
+        if stop_requested():  # asked while the jobs were starting: stop them before following them
+            on_each(active, run_id, lambda _h: ["python3", "agent.py", "kill"], 30, ok=P.STOPPED)
+            attempts.append({"attempt": n + 1, "hosts": names, "started": time.time(), "ended": time.time(),
+                             "outcome": "stopped"})  # fmt: skip
+            result = dict(result, outcome="stopped", first_failure=None)
+            break
         if start_failed:
             log("attempt start failed: " + "; ".join(f"{h}: {w}" for h, w in start_failed.items()))
         else:

@@ -240,7 +240,10 @@ def follow_attempts(job: store.Job, hosts: list[str], emit: Emit, sink: Sink, *,
         attempts, total = res.next_attempts.get("attempts") or [], int(res.next_attempts.get("total") or 0)
         done: dict[str, Any] = next((a for a in attempts if a.get("attempt") == attempt), {})
         nxt = attempts[-1]
-        sink.note(f"==> {R.describe(done, total)}")
+        for a in attempts:  # this one, and any that ended before it could be followed (a failed start)
+            if attempt <= int(a.get("attempt") or 0) < int(nxt["attempt"]):
+                sink.note(f"==> {R.describe(a, total)}")
+                done = a
         sink.note(f"==> attempt {nxt['attempt']}/{total} on {','.join(nxt['hosts'])}"
                   + (f" (after a {done['backoff']:.0f}s back-off)" if done.get("backoff") else ""))  # fmt: skip
         hosts, attempt = list(nxt["hosts"]), int(nxt["attempt"])
@@ -380,6 +383,7 @@ def run_job(
     if res.hang is not None:
         report_hang(job, res.hang, sink)
         report_flight(job, sink)
+        report_attempts(res.supervisor or {}, sink)
         took = f" in {res.teardown_seconds:.1f}s" if res.teardown_seconds is not None else ""
         sink.note(f"==> the supervisor stopped every rank{took}; {teardown_summary(res.teardown_problems)}")
         raise ExitWith(res.exit_code)
@@ -515,7 +519,10 @@ class SshBackend(Backend):
         # The supervisor stops every host and records the run as stopped; kill on every host then
         # confirms (and does it alone when the chief cannot be reached).
         elif ssh_run.request_stop(job.ssh_config, job.chief, job.run_id):
-            ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=15)
+            # with restarts the supervisor may be between attempts (a preflight, a start): its
+            # verdict says when it stopped everything, and only then is the kill below final
+            wait = 15 + (60 if job.handle.get(RESTARTS) else 0)
+            ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=wait)
         problems = {h: why for h, why in ssh_run.teardown(job.ssh_config, job.kill_hosts, job.run_id).items() if why}
         states = ssh_run.host_states(job)
         for host, state in states.items():
