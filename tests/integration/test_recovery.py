@@ -157,7 +157,7 @@ def test_a_killed_node_is_replaced_by_the_spare_and_the_run_ends_as_an_uninterru
     assert "attempt 2/3 on node1,node2,node4: finished" in st.stderr, st.stderr
     assert re.search(r"^node3 .*\(excluded by a restart\)$", st.stdout, re.M), st.stdout
     logs = nodeops("logs", run_id).stdout
-    assert "node4 ==> nodeops: attempt 2/3 on node1,node2,node4 (node rank 2); after attempt 1: lost on node3" in logs
+    assert "node4 | ==> nodeops: attempt 2/3 on node1,node2,node4 (node rank 2); after attempt 1: lost on node3" in logs
     runs = {r["run_id"]: r for r in json.loads(nodeops("runs", "--json").stdout)}
     assert [(a["attempt"], a["outcome"]) for a in runs[run_id]["attempts"]] == [(1, "failed"), (2, "ok")]
     assert runs[run_id]["attempts"][0]["excluded"] == ["node3"]
