@@ -31,15 +31,20 @@ SESSION_NAME = f"pytest{os.getpid()}"
 SESSION_SUBNET = "10.214.0.0/24"
 
 
-@pytest.fixture(scope="session")
-def sandbox_cluster() -> Iterator[sandbox.Sandbox]:
+def own_sandbox(name: str, n: int, subnet: str, slurm: bool = False) -> Iterator[sandbox.Sandbox]:
+    """A sandbox of a fixture's own, removed after it (NODEOPS_SKIP_INTEGRATION=1 skips on purpose)."""
     if os.environ.get("NODEOPS_SKIP_INTEGRATION") == "1":
         pytest.skip("NODEOPS_SKIP_INTEGRATION=1")
-    sb = sandbox.up(name=SESSION_NAME, n=3, subnet=SESSION_SUBNET, say=print)
+    sb = sandbox.up(name=name, n=n, subnet=subnet, say=print, slurm=slurm)
     try:
         yield sb
     finally:
-        sandbox.down(SESSION_NAME)
+        sandbox.down(name)
+
+
+@pytest.fixture(scope="session")
+def sandbox_cluster() -> Iterator[sandbox.Sandbox]:
+    yield from own_sandbox(SESSION_NAME, 3, SESSION_SUBNET)
 
 
 def wheelhouse() -> Path:

@@ -17,7 +17,7 @@ import pytest
 
 from nodeops import sandbox
 
-from .conftest import NODEOPS, ROOT, SECRET, setup, wheelhouse
+from .conftest import NODEOPS, ROOT, SECRET, own_sandbox, setup, wheelhouse
 from .test_launch import HELPERS, controller_leftovers, leftovers
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -32,13 +32,7 @@ HASH = re.compile(r"^(node\d) \[rank(\d)\]:final param hash ([0-9a-f]{16})$", re
 
 @pytest.fixture(scope="module")
 def rec() -> Iterator[sandbox.Sandbox]:
-    if os.environ.get("NODEOPS_SKIP_INTEGRATION") == "1":
-        pytest.skip("NODEOPS_SKIP_INTEGRATION=1")
-    sb = sandbox.up(name=NAME, n=4, subnet=SUBNET, say=print)
-    try:
-        yield sb
-    finally:
-        sandbox.down(NAME)
+    yield from own_sandbox(NAME, 4, SUBNET)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nodeops import sandbox
-from tests.integration.conftest import NODEOPS, ROOT, wheelhouse
+from tests.integration.conftest import NODEOPS, ROOT, own_sandbox, wheelhouse
 
 NAME = f"pytestslurm{os.getpid()}"
 SUBNET = "10.220.0.0/24"
@@ -47,13 +47,7 @@ sys.exit(0)
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[sandbox.Sandbox]:
-    if os.environ.get("NODEOPS_SKIP_INTEGRATION") == "1":
-        pytest.skip("NODEOPS_SKIP_INTEGRATION=1")
-    sb = sandbox.up(name=NAME, n=3, subnet=SUBNET, say=print, slurm=True)
-    try:
-        yield sb
-    finally:
-        sandbox.down(NAME)
+    yield from own_sandbox(NAME, 3, SUBNET, slurm=True)
 
 
 def nodeops(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

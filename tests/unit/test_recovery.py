@@ -6,7 +6,6 @@ started by the real start.sh; the supervisor restarts them through agent.py pref
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from nodeops.launch import protocol as P
 from nodeops.launch import recovery as R
 from nodeops.starter import markers, role_dir
 
-from .test_supervisor import LAUNCH, ours, wait_clean
+from .test_supervisor import ours, ship, wait_clean
 
 CHIEF, H2, H3, SPARE = ({"name": n, "nproc": 1} for n in ("h1", "h2", "h3", "h4"))
 
@@ -91,8 +90,7 @@ def make_run(tmp: Path, jobs: dict[str, str], spares: set[str], recovery: dict[s
     for i, (name, body) in enumerate(jobs.items()):
         d = tmp / name / f"20261124-000000-{i:04x}"
         d.mkdir(parents=True)
-        for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py", "supervisor.py"):
-            shutil.copy(LAUNCH / f, d / f)
+        ship(d)
         (d / "start.sh").write_text(start.render(run_id=d.name, host=name, **markers()))
         (d / (P.SPARE_JOB if name in spares else P.JOB)).write_text(body)
         dirs.append(d)

@@ -23,13 +23,18 @@ LAUNCH = Path(agent_mod.__file__).parent
 pytestmark = pytest.mark.slow
 
 
+def ship(d: Path) -> None:
+    """The files a run dir gets beside its job (the chief's supervisor too)."""
+    for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py", "supervisor.py"):
+        shutil.copy(LAUNCH / f, d / f)
+
+
 def make_run(tmp: Path, jobs: dict[str, str | None], *, agent_final: bool = False) -> tuple[Path, list[Path]]:
     dirs = []
     for i, (name, body) in enumerate(jobs.items()):
         d = tmp / name / f"20261122-000000-{os.getpid() % 0xFFFF:04x}{i}"
         d.mkdir(parents=True)
-        for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py", "supervisor.py"):
-            shutil.copy(LAUNCH / f, d / f)
+        ship(d)
         if body is not None:
             (d / "job.sh").write_text(body)
         dirs.append(d)
