@@ -31,11 +31,29 @@ SESSION_NAME = f"pytest{os.getpid()}"
 SESSION_SUBNET = "10.214.0.0/24"
 
 
+def free_subnet(preferred: str) -> str:
+    """``preferred`` if nothing on this machine overlaps it, else the next free /24 after it: a
+    network left by a session that was killed (or one running beside this one) never fails ours."""
+    return sandbox.free_subnet(sandbox.used_subnets(), start=preferred)
+
+
+def subnet_of(sb: sandbox.Sandbox) -> str:
+    """The subnet a fixture's sandbox got (tests derive addresses from it, never hard-code them)."""
+    got = sandbox.existing_subnet(sb.name)
+    assert got is not None, f"sandbox {sb.name} has no network"
+    return got
+
+
 def own_sandbox(name: str, n: int, subnet: str, slurm: bool = False) -> Iterator[sandbox.Sandbox]:
-    """A sandbox of a fixture's own, removed after it (NODEOPS_SKIP_INTEGRATION=1 skips on purpose)."""
+    """A sandbox of a fixture's own on ``subnet`` or the next free /24, removed after it
+    (NODEOPS_SKIP_INTEGRATION=1 skips on purpose)."""
     if os.environ.get("NODEOPS_SKIP_INTEGRATION") == "1":
         pytest.skip("NODEOPS_SKIP_INTEGRATION=1")
-    sb = sandbox.up(name=name, n=n, subnet=subnet, say=print, slurm=slurm)
+    sandbox.ensure_engine()
+    got = free_subnet(subnet)
+    if got != subnet:
+        print(f"{subnet} is taken on this machine; sandbox {name} uses {got}")
+    sb = sandbox.up(name=name, n=n, subnet=got, say=print, slurm=slurm)
     try:
         yield sb
     finally:

@@ -14,6 +14,8 @@ from nodeops import sandbox
 from nodeops.cli import app
 from nodeops.loading import load_spec
 
+from .conftest import free_subnet, subnet_of
+
 pytestmark = pytest.mark.integration
 
 
@@ -73,7 +75,7 @@ def test_up_again_is_idempotent_and_fast(sandbox_cluster: sandbox.Sandbox) -> No
     before = {n.container: n.address for n in sandbox_cluster.nodes}
     known_before = (sandbox_cluster.state_dir / "known_hosts").read_text()
     t = time.monotonic()
-    sb = sandbox.up(name=sandbox_cluster.name, n=3, subnet="10.214.0.0/24")
+    sb = sandbox.up(name=sandbox_cluster.name, n=3, subnet=subnet_of(sandbox_cluster))
     assert {n.container: n.address for n in sb.nodes} == before
     assert (sb.state_dir / "known_hosts").read_text() == known_before
     p = ssh(sb, "node2", "grep", "-c", "nodeops-sandbox", ".ssh/authorized_keys")
@@ -83,7 +85,7 @@ def test_up_again_is_idempotent_and_fast(sandbox_cluster: sandbox.Sandbox) -> No
 
 def test_up_with_other_size_is_refused(sandbox_cluster: sandbox.Sandbox) -> None:
     with pytest.raises(sandbox.SandboxError, match="already has 3 node"):
-        sandbox.up(name=sandbox_cluster.name, n=2, subnet="10.214.0.0/24")
+        sandbox.up(name=sandbox_cluster.name, n=2, subnet=subnet_of(sandbox_cluster))
 
 
 def _leftovers(name: str) -> tuple[str, str]:
@@ -97,10 +99,11 @@ def _leftovers(name: str) -> tuple[str, str]:
 
 
 def test_failed_up_removes_what_it_created(sandbox_cluster: sandbox.Sandbox) -> None:
-    """The session sandbox holds 10.214.0.0/24; asking for an overlapping subnet fails half-way."""
+    """The session sandbox holds its /24; asking for an overlapping /25 fails half-way."""
     name = "pytestfail"
+    overlapping = subnet_of(sandbox_cluster).replace("/24", "/25")
     with pytest.raises(sandbox.SandboxError, match="network create"):
-        sandbox.up(name=name, n=1, subnet="10.214.0.0/25")
+        sandbox.up(name=name, n=1, subnet=overlapping)
     assert _leftovers(name) == ("", "")
     assert not sandbox.state_dir(name).exists()
     # ... and the session sandbox is untouched
@@ -110,11 +113,13 @@ def test_failed_up_removes_what_it_created(sandbox_cluster: sandbox.Sandbox) -> 
 def test_cli_up_status_down_leaves_nothing(sandbox_cluster: sandbox.Sandbox) -> None:
     name = "pytestcli"
     runner = CliRunner()
-    r = runner.invoke(app, ["sandbox", "up", "-n", "1", "--name", name, "--subnet", "10.215.0.0/24"])
+    subnet = free_subnet("10.215.0.0/24")
+    first = subnet.rsplit(".", 1)[0] + ".11"
+    r = runner.invoke(app, ["sandbox", "up", "-n", "1", "--name", name, "--subnet", subnet])
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() == str(sandbox.state_dir(name) / "cluster.yaml")
     r = runner.invoke(app, ["sandbox", "status", "--name", name])
-    assert r.exit_code == 0 and "10.215.0.11" in r.stdout and "running" in r.stdout
+    assert r.exit_code == 0 and first in r.stdout and "running" in r.stdout
     r = runner.invoke(app, ["sandbox", "down", "--name", name])
     assert r.exit_code == 0 and "removed network nodeops-pytestcli" in r.stderr
     assert _leftovers(name) == ("", "")

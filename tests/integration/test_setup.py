@@ -17,7 +17,7 @@ import pytest
 
 from nodeops import sandbox
 
-from .conftest import NODEOPS, SECRET, USER_KEY_LINE, WORKDIR, setup, ssh
+from .conftest import NODEOPS, SECRET, USER_KEY_LINE, WORKDIR, setup, ssh, subnet_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -252,9 +252,10 @@ def test_nfs_mode_in_check_mode_only(sandbox_cluster: sandbox.Sandbox, tmp_path:
     """The sandbox kernel has no NFS, so the live mount is untested; check mode must plan it
     (report a change on every node) and touch nothing: no mount, no fstab line, no mount point."""
     spec = tmp_path / "nfs.yaml"
+    server = subnet_of(sandbox_cluster).rsplit(".", 1)[0] + ".250"  # no such host: nothing is mounted
     spec.write_text(sandbox_cluster.spec_path.read_text()
                     + "workdir:\n  path: /mnt/nodeops-nfs\n  sync: nfs\n"
-                    + "  nfs: {server: 10.214.0.250, export: /exports/train, options: 'rw,hard'}\n")  # fmt: skip
+                    + f"  nfs: {{server: {server}, export: /exports/train, options: 'rw,hard'}}\n")  # fmt: skip
     fstab_before = ssh(sandbox_cluster, "node2", "cat /etc/fstab").stdout
     p = setup(spec, "--check", "--tags", "shared_path")
     assert p.returncode == 0, p.stderr
