@@ -7,11 +7,14 @@ bash scripts/bootstrap.sh
 export PATH="$PWD/.venv/bin:$PATH"
 
 # One command per line: under `set -e`, a failure on the left of `&&` would not stop the script.
-echo "==> ruff";     ruff check src tests bench
-                     ruff format --check src tests bench
+echo "==> ruff";     ruff check src tests bench scripts
+                     ruff format --check src tests bench scripts
 echo "==> mypy";     mypy
 echo "==> import-linter (layers)"; lint-imports --no-cache
 echo "==> yamllint"; yamllint --strict .
 echo "==> ansible-lint (production profile)"; ansible-lint -q
+echo "==> docs (generated references current; mkdocs build --strict)"
+python scripts/docs_gen.py --check
+NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q
 echo "==> docker";   bash scripts/ensure-docker.sh   # integration tests run real sshd containers
 echo "==> pytest";   pytest "$@"

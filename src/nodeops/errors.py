@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-# Documented exit codes (README "Exit codes"); the CLI is the only place that uses them.
+# Documented exit codes (docs/launch.md, "Exit codes"); the CLI is the only place that uses them.
 EXIT_OK = 0
 EXIT_FAILURE = 1  # a runtime failure on a host, or a check that failed
 EXIT_SPEC = 2  # bad spec, bad hostfile or bad command-line usage; nothing was run

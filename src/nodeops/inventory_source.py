@@ -3,7 +3,7 @@
 The source (YAML, INI, TOML, an executable script, or an inventory plugin config) is read by
 Ansible's own ``InventoryManager`` and ``VariableManager``, so every plugin and the
 ``group_vars/``/``host_vars/`` directories beside it work as for ``ansible-playbook``. The hosts of
-one group become a resource spec; the mapping is the README's table ("Ansible inventories as input").
+one group become a resource spec; the mapping is the table in docs/spec.md ("Ansible inventories as input").
 
 The result is validated like a spec file; each error names the host and the variable, and the
 file and line Ansible read it from (Ansible 2.19 tags inventory values with their origin).

@@ -2,8 +2,8 @@
 
 Modelled on TorchX's ``Scheduler`` (a dry run as a value, ``schedule``, ``describe``,
 ``log_iter``, ``cancel``, ``list``) and SkyPilot's ``Backend`` (sync, execute, teardown); see
-docs in the README ("Backends"). A backend declares what it supports in :class:`Capabilities`;
-the lifecycle refuses anything else before a host is reached, with the same words on every
+docs/design.md ("Backends: the interface"). A backend declares what it supports in
+:class:`Capabilities`; the lifecycle refuses anything else before a host is reached, with the same words on every
 backend. A backend never prints: what the user sees goes through a :class:`Sink`.
 """
 

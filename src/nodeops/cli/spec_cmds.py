@@ -171,7 +171,8 @@ def import_inventory(
     inventory itself; this gives a spec to edit and keep).
 
     Read by Ansible's own inventory code (group_vars/ and host_vars/ beside it included); the
-    mapping is the README's table. Nothing is contacted except what a dynamic inventory queries.
+    mapping is the table in docs/spec.md ("Ansible inventories as input"). Nothing is contacted
+    except what a dynamic inventory queries.
     """
 
     with errors():

@@ -80,4 +80,4 @@ def fabric_gate(loaded: LoadedSpec, spec_path: Path, sink: Sink) -> None:
     sink.report(report)  # stderr: stdout is the job's (and, detached, the run id)
     if not report.ok:
         raise ExitWith(EXIT_FAILURE, f"--fabric-check failed ({'; '.join(report.problems)}); nothing was started "
-                       "(see network.fabric in the README to change the thresholds)")  # fmt: skip
+                       "(network.fabric in the spec changes the thresholds: docs/reference/spec.md)")  # fmt: skip
