@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v python3 >/dev/null || need_apt+=(python3)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+command -v shellcheck >/dev/null || need_apt+=(shellcheck)  # ansible-test sanity's shellcheck test
 if ((${#need_apt[@]})); then
   echo "==> installing ${need_apt[*]} (apt)"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo

@@ -13,6 +13,7 @@ echo "==> mypy";     mypy
 echo "==> import-linter (layers)"; lint-imports --no-cache
 echo "==> yamllint"; yamllint --strict .
 echo "==> ansible-lint (production profile)"; ansible-lint -q
+echo "==> ansible-test sanity (the collection, as Galaxy reviewers test it)"; bash scripts/sanity.sh
 echo "==> docs (generated references current; mkdocs build --strict)"
 python scripts/docs_gen.py --check
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """``nodeops_launch_run``: the launch role's run, worked out from a plain inventory.
 
     {{ launch_argv | nodeops.cluster.nodeops_launch_run(ansible_play_hosts_all, hostvars, ...) }}
@@ -10,16 +11,6 @@ code the CLI plans with.
 """
 
 from __future__ import annotations
-
-import importlib.util
-import re
-import secrets
-import time
-from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import Any
-
-from ansible.errors import AnsibleFilterError
 
 DOCUMENTATION = r"""
 name: nodeops_launch_run
@@ -38,12 +29,24 @@ options:
     required: true
 """
 
+import importlib.util
+import re
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from ansible.errors import AnsibleFilterError
+
+
 _ROOT = Path(__file__).resolve().parent.parent.parent  # the collection
 
 
 def _load(path: Path, name: str) -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise AnsibleFilterError(f"nodeops_launch_run: cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bash quoting filters: the collection's one quoting function per bash target
 (``plugins/module_utils/nodeops_shell.py``, the same code the nodeops CLI quotes with).
 
@@ -8,10 +9,6 @@
 """
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
-from typing import Any
 
 DOCUMENTATION = r"""
 name: nodeops_sh_word
@@ -28,13 +25,20 @@ options:
     required: true
 """
 
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from ansible.errors import AnsibleFilterError
+
 
 def load_module_util(name: str) -> Any:
     """A stdlib-only file of this collection's plugins/module_utils, by path (it works from a
     collections path and from the nodeops package's copy alike)."""
     path = Path(__file__).resolve().parent.parent / "module_utils" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_nodeops_{name}", path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise AnsibleFilterError(f"nodeops quoting filters: cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

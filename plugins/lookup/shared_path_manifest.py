@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Lookup ``shared_path_manifest``: the manifest of a controller-side source directory.
 
     lookup('shared_path_manifest', '/path/to/source', exclude=['.git', '__pycache__'])
@@ -8,13 +9,6 @@ is the role's ``module_utils/nodeops_manifest.py``, the same file the nodes comp
 """
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
-from typing import Any
-
-from ansible.errors import AnsibleLookupError
-from ansible.plugins.lookup import LookupBase
 
 DOCUMENTATION = r"""
 name: shared_path_manifest
@@ -32,11 +26,19 @@ options:
     default: []
 """
 
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from ansible.errors import AnsibleLookupError
+from ansible.plugins.lookup import LookupBase
+
 
 def _manifest_module() -> Any:
     path = Path(__file__).resolve().parent.parent / "module_utils" / "nodeops_manifest.py"
     spec = importlib.util.spec_from_file_location("nodeops_manifest", path)
-    assert spec is not None and spec.loader is not None
+    if spec is None or spec.loader is None:
+        raise AnsibleLookupError(f"shared_path_manifest: cannot load {path}")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # -*- coding: utf-8 -*-
 # Copyright: nodeops contributors
 # Apache License 2.0 (see LICENSE)

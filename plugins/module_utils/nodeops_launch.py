@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """What each host runs to start training: the launch plan, stdlib only.
 
 One implementation for both ways of launching: the nodeops CLI (``nodeops.launchers`` maps a
@@ -139,7 +140,7 @@ def plan(
 
 def rank_hosts(nodes: Sequence[Mapping[str, Any]]) -> list[str]:
     """Which host each global rank lands on with mpirun's ``--map-by slot`` (hosts filled in -H order)."""
-    return [str(n["host"]) for n in nodes for _ in range(int(n["nproc"]))]
+    return [str(n["host"]) for n in nodes for _slot in range(int(n["nproc"]))]
 
 
 def run_dir(run_id: str) -> str:

@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 # -*- coding: utf-8 -*-
 """The workdir manifest: what the controller's source holds, and how a node compares to it.
 

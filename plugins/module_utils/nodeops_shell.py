@@ -1,3 +1,4 @@
+# SPDX-License-Identifier: Apache-2.0
 """Bash quoting for nodeops: the one function per bash target, stdlib only.
 
 Shared by the collection's filters (``nodeops.cluster.nodeops_sh_word`` ...), the launch role's

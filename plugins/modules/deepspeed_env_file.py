@@ -1,4 +1,5 @@
 #!/usr/bin/python
+# SPDX-License-Identifier: Apache-2.0
 """Ansible module: manage our keys in a .deepspeed_env file, keeping every other line as it is.
 
 DeepSpeed's launcher crashes on comments and blank lines in .deepspeed_env, so our lines
@@ -24,7 +25,7 @@ description:
     temporary file in the same directory and a rename. Missing parent directories are created.
 version_added: "0.1.0"
 author:
-  - nodeops contributors
+  - nodeops contributors (!UNKNOWN)
 options:
   path:
     description:
@@ -39,7 +40,7 @@ options:
         run of other characters than letters and digits as C(_) (the names the deepspeed_env role has always used).
       - One call instead of one per directory. A leading C(~) is the remote user's home.
     type: list
-    elements: str
+    elements: path
   state_dir:
     description:
       - With O(dirs), where the owned-keys lists live. Created with mode C(0700) when missing.
@@ -145,6 +146,7 @@ diff:
 """
 
 import os
+import pwd
 import re
 import stat
 
@@ -173,7 +175,11 @@ def read(path):
 
 
 def state_name(directory):
-    """The owned-keys file's name for a directory (the role's naming: ~ as home, others as _)."""
+    """The owned-keys file's name for a directory: the home dir and what is under it named from
+    ``~`` ("home", "home_train"), as when the module took the dirs unexpanded; others with ``_``."""
+    home = os.environ.get("HOME") or pwd.getpwuid(os.getuid()).pw_dir  # what type=path expanded ~ to
+    if directory == home or directory.startswith(home.rstrip("/") + "/"):
+        directory = "~" + directory[len(home.rstrip("/")):]
     return "deepspeed_env.%s.keys" % re.sub(r"[^A-Za-z0-9]+", "_", re.sub(r"^~", "home", directory))
 
 
@@ -194,7 +200,7 @@ def main():
     module = AnsibleModule(
         argument_spec={
             "path": {"type": "path"},
-            "dirs": {"type": "list", "elements": "str"},
+            "dirs": {"type": "list", "elements": "path"},
             "vars": {"type": "dict", "required": True},
             "state_file": {"type": "path"},
             "state_dir": {"type": "path"},
@@ -216,8 +222,7 @@ def main():
     if p["dirs"] is not None:
         if not module.check_mode and not os.path.isdir(p["state_dir"]):
             os.makedirs(p["state_dir"], mode=0o700, exist_ok=True)
-        # the state files are named after the dirs as given (~ unexpanded), as the role's were
-        pairs = [(os.path.join(os.path.expanduser(d), ".deepspeed_env"), os.path.join(p["state_dir"], state_name(d)))
+        pairs = [(os.path.join(d, ".deepspeed_env"), os.path.join(p["state_dir"], state_name(d)))
                  for d in p["dirs"]]  # fmt: skip
     else:
         pairs = [(p["path"], p["state_file"])]

@@ -1,4 +1,5 @@
 #!/usr/bin/python
+# SPDX-License-Identifier: Apache-2.0
 """Ansible module: write a few small files into one directory in a single call.
 
 Each file is written (atomically: a temp file in the same directory, then rename) only
@@ -24,7 +25,7 @@ description:
   - The nccl_env role uses it to write C(env.sh), which the launch sources, and C(secrets.env).
 version_added: "0.1.0"
 author:
-  - nodeops contributors
+  - nodeops contributors (!UNKNOWN)
 options:
   dir:
     description:
@@ -185,7 +186,11 @@ def main():
             "dir": {"type": "path", "required": True},
             "dir_mode": {"type": "str", "default": "0700"},
             "files": {"type": "list", "elements": "dict", "default": [], "options": _file_spec(False)},
-            "secret_files": {"type": "list", "elements": "dict", "default": [], "options": _file_spec(True)},
+            # The secret is each file's content, whose sub-option is no_log. The names and modes are
+            # not: no_log on the whole list would mask every output string equal to one of them
+            # (each "0600" and "env.sh" in the result), so the list says no_log=False on purpose.
+            "secret_files": {"type": "list", "elements": "dict", "default": [], "options": _file_spec(True),
+                             "no_log": False},
         },
         supports_check_mode=True,
     )

@@ -1,4 +1,5 @@
 #!/usr/bin/python
+# SPDX-License-Identifier: Apache-2.0
 """Ansible module: what a Python env holds, in one call (read-only).
 
 Answers "is everything already as wanted?" for the python_env role: whether the env's
@@ -25,7 +26,7 @@ description:
     C(pip install).
 version_added: "0.1.0"
 author:
-  - nodeops contributors
+  - nodeops contributors (!UNKNOWN)
 options:
   prefix:
     description:

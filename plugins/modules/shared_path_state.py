@@ -1,4 +1,5 @@
 #!/usr/bin/python
+# SPDX-License-Identifier: Apache-2.0
 """Compare a node's directory with the controller's manifest (read-only)."""
 
 from __future__ import absolute_import, division, print_function
@@ -18,7 +19,7 @@ description:
   - Also reports whether the directory is owned by O(owner), so the caller can fix ownership only where needed.
 version_added: "0.1.0"
 author:
-  - nodeops contributors
+  - nodeops contributors (!UNKNOWN)
 options:
   path:
     description:

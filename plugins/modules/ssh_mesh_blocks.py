@@ -1,4 +1,5 @@
 #!/usr/bin/python
+# SPDX-License-Identifier: Apache-2.0
 """Ansible module: nodeops' marked blocks in authorized_keys / known_hosts, in one call.
 
 Every line of a block belongs to one inventory host (its trailing ``nodeops-CLUSTER@HOST``
@@ -28,7 +29,7 @@ description:
     directory, then a rename), only when its content changes, so a repeated run changes nothing.
 version_added: "0.1.0"
 author:
-  - nodeops contributors
+  - nodeops contributors (!UNKNOWN)
 options:
   cluster:
     description:

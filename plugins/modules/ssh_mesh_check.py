@@ -1,4 +1,5 @@
 #!/usr/bin/python
+# SPDX-License-Identifier: Apache-2.0
 """Ansible module: ssh from this host to each target, in parallel, with BatchMode and strict
 host key checking; fail naming every target that does not answer and ssh's reason."""
 
@@ -16,7 +17,7 @@ description:
   - Changes nothing on any host.
 version_added: "0.1.0"
 author:
-  - nodeops contributors
+  - nodeops contributors (!UNKNOWN)
 options:
   targets:
     description:

@@ -1,4 +1,5 @@
 #!/usr/bin/python
+# SPDX-License-Identifier: Apache-2.0
 """Ansible module: make sure an ssh keypair exists at a path and return its public key.
 
 An existing private key is never overwritten. With ``private_key`` given (the content of
@@ -20,11 +21,11 @@ description:
   - An existing private key is never overwritten. When O(private_key) is given and a different key already exists at
     O(path), the module fails and leaves the key alone.
   - With O(host_keys), it also returns this node's hostname and sshd host public keys, and it always returns
-    O(address) and O(port) as given, so that its result can be passed as it is to the O(files[].known_hosts) option
-    of P(nodeops.cluster.ssh_mesh_blocks#module).
+    O(address) and O(port) as given, so that its result can be passed as it is to the
+    O(nodeops.cluster.ssh_mesh_blocks#module:files[].known_hosts) option of P(nodeops.cluster.ssh_mesh_blocks#module).
 version_added: "0.1.0"
 author:
-  - nodeops contributors
+  - nodeops contributors (!UNKNOWN)
 options:
   path:
     description:

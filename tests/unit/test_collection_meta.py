@@ -38,3 +38,18 @@ def test_the_collection_needs_no_nodeops_package() -> None:
                            for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py",
                                      "supervisor.py"))]:  # fmt: skip
         assert (ROOT / link).is_symlink() and (ROOT / link).resolve() == (ROOT / target).resolve(), link
+
+
+def test_every_sanity_ignore_names_an_existing_file_and_gives_its_reason() -> None:
+    """tests/sanity/ignore-*.txt (ansible-test sanity, run by scripts/sanity.sh): each entry is
+    `path test:code # reason`, for a file that exists and says it is Apache-2.0 where the entry
+    waives the GPLv3 header."""
+    files = sorted((ROOT / "tests" / "sanity").glob("ignore-*.txt"))
+    assert files, "no ignore file for ansible-test sanity"
+    for f in files:
+        for line in f.read_text().splitlines():
+            entry, _, reason = line.partition(" # ")
+            path, code = entry.split(" ")
+            assert reason.strip() and (ROOT / path).is_file() and ":" in code, line
+            if code.endswith("missing-gplv3-license"):
+                assert "# SPDX-License-Identifier: Apache-2.0" in (ROOT / path).read_text().splitlines()[:2], path

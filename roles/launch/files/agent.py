@@ -285,7 +285,7 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
     stopped = False
     buf = b""
     while True:
-        ready, _, _ = select.select([0], [], [], 0.2)
+        ready = select.select([0], [], [], 0.2)[0]
         # The log first: a failure printed before a stop arrives is reported, not lost to the stop.
         if agent_final or pdsh:
             for line in scan.lines():
@@ -351,7 +351,7 @@ def preflight() -> str:
         return "no job.sh in the run dir"
     try:
         p = subprocess.run(["bash", job, "--preflight"], cwd=HERE, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=30)  # fmt: skip
+                           stderr=subprocess.STDOUT, text=True, timeout=30, check=False)  # fmt: skip
     except subprocess.TimeoutExpired:
         return "job.sh --preflight did not answer within 30s"
     lines = [ln for ln in p.stdout.splitlines() if ln.strip()]

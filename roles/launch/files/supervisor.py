@@ -365,7 +365,8 @@ def on_each(hosts: list[dict[str, Any]], run_id: str, words: Any, timeout: float
     def one(h: dict[str, Any]) -> None:
         try:
             p = subprocess.run(on_host(h, run_id, words(h)), cwd=h.get("dir") or HERE, stdin=subprocess.DEVNULL,
-                               capture_output=True, text=True, timeout=timeout, start_new_session=True)  # fmt: skip
+                               capture_output=True, text=True, timeout=timeout, start_new_session=True,
+                               check=False)  # fmt: skip
         except subprocess.TimeoutExpired:
             out[h["name"]] = f"no answer within {timeout:.0f}s"
             return
