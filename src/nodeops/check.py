@@ -140,10 +140,9 @@ def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script:
                                errors="replace")  # fmt: skip
         except subprocess.TimeoutExpired:
             return {"unreachable": f"the probe on the chief did not answer within {timeout + 30:.0f}s"}
-    for line in p.stdout.splitlines():
-        if line.startswith(probe.MARK):
-            doc: dict[str, Any] = json.loads(line[len(probe.MARK) :])
-            return doc
+    docs = probe.documents(p.stdout)
+    if docs:
+        return docs[0]
     why = last_line(p.stderr, f"ssh exited {p.returncode}")
     if p.returncode == 255:
         return {"unreachable": f"ssh from this machine to the chief {chief} failed: {why}"}

@@ -37,6 +37,10 @@ BOOT = (
     "exec(compile(d['source'],'nodeops-probe','exec'),g);g['main'](d)"
 )
 CONNECT_TIMEOUT = 3.0
+# srun forwards a task's output in messages of at most 1,024 bytes (Slurm's MAX_MSG_LEN), so a
+# longer line arrives cut and its pieces may interleave with other tasks' lines; a probe's
+# document is therefore written as numbered frames, each line well under that size.
+FRAME = 900
 FANOUT = 64  # nodes the chief probes at once
 HASH_BUDGET = 2 << 30  # bytes read for the workdir hash; beyond it, size+mtime stand in for content
 
@@ -311,9 +315,9 @@ def probe_node(node: dict[str, Any], payload: dict[str, Any], timeout: float) ->
     t0 = time.monotonic()
     rc, out, err = _run(argv, timeout, json.dumps(payload))
     took = round(time.monotonic() - t0, 2)
-    for line in out.splitlines():
-        if line.startswith(MARK):
-            return {"ssh": {"ok": True, "seconds": took}, "facts": json.loads(line[len(MARK) :])}
+    docs = documents(out)
+    if docs:
+        return {"ssh": {"ok": True, "seconds": took}, "facts": docs[0]}
     lines = [ln for ln in err.strip().splitlines() if ln.strip() and not ln.startswith("Warning: Permanently")]
     why = lines[-1] if lines else f"ssh exited {rc}"
     if rc == 255 or rc == 124:
@@ -347,5 +351,33 @@ def chief_main(d: dict[str, Any]) -> dict[str, Any]:
 def main(d: dict[str, Any]) -> None:
     plan = d["plan"]
     out = chief_main(d) if plan["mode"] == "chief" else node_facts(plan)
-    sys.stdout.write(MARK + json.dumps(out) + "\n")
+    sys.stdout.write(frames(out))
     sys.stdout.flush()
+
+
+def frames(doc: dict[str, Any]) -> str:
+    """``doc`` as lines ``MARK <id> <i>/<n> <piece>``, each under :data:`FRAME` bytes + a header."""
+    text = json.dumps(doc)  # ASCII (ensure_ascii), so a slice by characters is one by bytes
+    tag = os.urandom(6).hex()
+    pieces = [text[i : i + FRAME] for i in range(0, len(text), FRAME)] or [""]
+    return "".join(f"{MARK}{tag} {i}/{len(pieces)} {p}\n" for i, p in enumerate(pieces))
+
+
+def documents(output: str) -> list[dict[str, Any]]:
+    """Every whole document in ``output`` (written by :func:`frames`, possibly interleaved with
+    other lines and other documents' frames), in the order their last frame came."""
+    parts: dict[str, dict[int, str]] = {}
+    done: list[dict[str, Any]] = []
+    for line in output.splitlines():
+        if not line.startswith(MARK):
+            continue
+        tag, _, rest = line[len(MARK) :].partition(" ")
+        count, _, piece = rest.partition(" ")
+        i, _, n = count.partition("/")
+        if not (i.isdigit() and n.isdigit()):
+            continue
+        got = parts.setdefault(tag, {})
+        got[int(i)] = piece
+        if len(got) == int(n):
+            done.append(json.loads("".join(got[k] for k in range(int(n)))))
+    return done

@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from nodeops import check, probe
 from nodeops.spec_load import load_spec_text
 
@@ -207,6 +210,37 @@ def test_tree_hash_sees_content_and_skips_excluded(tmp_path: Path) -> None:
     assert probe.tree_hash(str(tmp_path), [".git"], budget=0)["exact"] is False
 
 
+def srun_messages(output: str, limit: int = 1024) -> list[str]:
+    """A task's output as slurmstepd forwards it: whole lines, a line longer than ``limit`` bytes
+    cut into pieces of ``limit`` (Slurm's MAX_MSG_LEN)."""
+    out: list[str] = []
+    for line in output.splitlines(keepends=True):
+        out += [line[i : i + limit] for i in range(0, len(line), limit)]
+    return out
+
+
+@given(st.lists(st.dictionaries(st.text(min_size=1, max_size=8), st.text(max_size=400), max_size=12),
+                min_size=1, max_size=5), st.randoms(use_true_random=False))  # fmt: skip
+def test_probe_documents_survive_srun_cutting_and_interleaving(docs: list[dict[str, str]], rnd: Any) -> None:
+    """What failed a CI run: three nodes' facts through one srun step, one line cut at 1,024 bytes
+    and the pieces interleaved with another task's. Frames come back whole, whatever the order."""
+    queues = [srun_messages(f"noise from task {i}\n" + probe.frames(d)) for i, d in enumerate(docs)]
+    merged: list[str] = []
+    while any(queues):
+        q = rnd.choice([q for q in queues if q])
+        merged.append(q.pop(0))
+    got = probe.documents("".join(merged))
+    assert sorted(map(json.dumps, got)) == sorted(map(json.dumps, docs))
+    assert all(len(m.encode()) <= 1024 for d in docs for m in probe.frames(d).splitlines(keepends=True))
+
+
+def test_probe_documents_skip_a_document_with_a_frame_missing() -> None:
+    lines = probe.frames({"k": "v" * 3000}).splitlines(keepends=True)
+    assert len(lines) > 1
+    assert probe.documents("".join(lines[:-1])) == []
+    assert probe.documents("".join(lines)) == [{"k": "v" * 3000}]
+
+
 def test_probe_boots_from_stdin_and_reports_a_real_listener(tmp_path: Path) -> None:
     """The chief mode against this machine alone: bootstrap over stdin, listen, connect, report.
     Only the local leg (no ssh): the node probe is run as the chief would run it, without ssh."""
@@ -224,8 +258,7 @@ def test_probe_boots_from_stdin_and_reports_a_real_listener(tmp_path: Path) -> N
                            capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
     finally:
         lst.close()
-    line = next(ln for ln in p.stdout.splitlines() if ln.startswith(probe.MARK))
-    f = json.loads(line[len(probe.MARK) :])
+    (f,) = probe.documents(p.stdout)
     assert f["ports"][str(port)]["ok"] is True
     assert lst.seen == ["me"]
     assert f["env"]["python"].count(".") == 2

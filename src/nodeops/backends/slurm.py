@@ -210,7 +210,7 @@ def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -
             with contextlib.suppress(Exception):
                 where.run(f'scancel --name={sh_word(name)} --user="$(id -un)"', timeout=30)
             raise
-    facts = [json.loads(line[len(probe.MARK) :]) for line in p.stdout.splitlines() if line.startswith(probe.MARK)]
+    facts = probe.documents(p.stdout)
     if not facts:
         raise check.CheckError(f"the srun step on {where.where} gave no node's facts (exit {p.returncode}): "
                          f"{last_line(p.stderr, 'no output')}")  # fmt: skip
