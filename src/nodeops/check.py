@@ -14,12 +14,22 @@ import os
 import secrets
 import subprocess
 import tempfile
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from nodeops import probe, workdir
+
+# the rules that need no spec live in check_rules (shipped to a Slurm job's preflight step)
+from nodeops.check_rules import FAIL as FAIL
+from nodeops.check_rules import OK as OK
+from nodeops.check_rules import PARITY as PARITY
+from nodeops.check_rules import RUNNER_COMMANDS as RUNNER_COMMANDS
+from nodeops.check_rules import WARN as WARN
+from nodeops.check_rules import Row as Row
+from nodeops.check_rules import env_rows, parity_rows, workdir_rows
+from nodeops.check_rules import runner_commands as runner_commands
+from nodeops.check_rules import shown as shown
 from nodeops.errors import NodeopsError
 from nodeops.launchers import rendezvous
 from nodeops.quoting import sh_word
@@ -27,21 +37,11 @@ from nodeops.render import activation, ssh_config
 from nodeops.spec import LoadedSpec, ResourceSpec
 from nodeops.transport import last_line, ssh_argv
 
-OK, WARN, FAIL = "ok", "warn", "fail"
 BRIDGE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "vxlan", "lxc")
 CLOCK_WARN_S = 1.0
 NOFILE_WARN = 8192  # the usual soft default is 1024; env.sh raises soft to hard for jobs
 SHM_WARN = 1 << 30
 DISK_WARN, DISK_FAIL = 10 << 30, 1 << 30
-PARITY = ("python", "torch", "torch_cuda", "nccl", "driver")  # compared across nodes, besides packages
-
-
-@dataclass(frozen=True)
-class Row:
-    host: str
-    check: str
-    status: str  # ok | warn | fail
-    detail: str
 
 
 @dataclass
@@ -86,21 +86,6 @@ def ports(spec: ResourceSpec) -> list[int]:
     if spec.launch.runner == "torchrun" and rendezvous(spec) == "c10d" and spec.launch.rdzv_port not in out:
         out.append(spec.launch.rdzv_port)
     return out
-
-
-# What each runner needs on a node beyond the Python env, and where it comes from. mpirun starts
-# Open MPI's daemons on every node; DeepSpeed's runner (on the chief) fans out with pdsh.
-RUNNER_COMMANDS: dict[str, dict[str, tuple[str, bool]]] = {
-    "torchrun": {},
-    "mpirun": {"mpirun": ("openmpi-bin, which setup installs (`nodeops setup SPEC --tags packages`)", False)},
-    "deepspeed": {"deepspeed": ("the deepspeed package: add it to python.packages and run setup", True),
-                  "pdsh": ("pdsh, which setup installs (`nodeops setup SPEC --tags packages`)", True)},
-}  # fmt: skip
-
-
-def runner_commands(runner: str, chief: bool) -> list[str]:
-    """The commands the runner needs on this node (the chief's only, where flagged)."""
-    return sorted(c for c, (_, chief_only) in RUNNER_COMMANDS.get(runner, {}).items() if chief or not chief_only)
 
 
 def plan(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script: str | None = None) -> dict[str, Any]:
@@ -149,20 +134,8 @@ def run(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120, script:
     raise CheckError(f"the probe failed on the chief {chief} (exit {p.returncode}): {why}")
 
 
-def shown(value: Any, missing: str = "unknown") -> str:
-    """A parity value as text: never the string 'None'."""
-    return missing if value is None or value == "" else str(value)
-
-
 def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
-
-
-def _reference(values: dict[str, str], chief: str) -> str | None:
-    if chief in values:
-        return values[chief]
-    common = Counter(values.values()).most_common(1)
-    return common[0][0] if common else None
 
 
 def _ifname_matches(dev: str, setting: str) -> bool:
@@ -207,7 +180,7 @@ def evaluate(spec: ResourceSpec, result: dict[str, Any], *, fast: bool = False,
         h = spec.alias(node)
         if h in facts_by_host:
             rows += _node_rows(spec, node, h, facts_by_host[h], listeners, fast, values, auto_gpus)
-    rows += _parity_rows(chief, facts_by_host, values, fast)
+    rows += parity_rows(chief, facts_by_host, values, fast)
     order = {h: i for i, h in enumerate(hosts)}
     rows.sort(key=lambda r: order.get(r.host, 0))  # stable: per host, checks in the order made
     return Report(rows, values, hosts)
@@ -228,27 +201,10 @@ def _node_rows(
             rows.append(Row(h, f"port {port}", FAIL, f"{c.get('error')} (firewall on the chief, or a route?)"))
     env = f.get("env", {})
     v = values.setdefault(h, {})
-    if "error" in env:
-        rows.append(Row(h, "python env", FAIL, f"activation failed: {env['error']}"))
-    else:
-        where = env.get("env_prefix") or env.get("executable", "")
-        rows.append(Row(h, "python env", OK, f"python {env.get('python')} in {where}"))
-        v["python"] = shown(env.get("python"))
-        if "torch" in env:
-            v["torch"] = str(env["torch"])
-            v["torch_cuda"] = shown(env.get("torch_cuda"), "none (CPU build)")
-            v["nccl"] = shown(env.get("nccl"), "none")
-        else:
-            status = FAIL if spec.launch.runner in ("torchrun", "deepspeed") else WARN
-            rows.append(Row(h, "torch", status, f"cannot import torch: {env.get('torch_error', '?')}"))
-        for cmd, path in sorted((env.get("commands") or {}).items()):
-            source = RUNNER_COMMANDS.get(spec.launch.runner, {}).get(cmd, ("", False))[0]
-            if path:
-                rows.append(Row(h, "runner", OK, f"{cmd}: {path}"))
-            else:
-                why = f"launch.runner {spec.launch.runner} needs {cmd}, not found after env.sh and the env's activation"
-                rows.append(Row(h, "runner", FAIL, f"{why}; it comes with {source}"))
-    rows += _workdir_rows(spec, h, f, v)  # the fast subset too: launch must not run a stale copy
+    rows += env_rows(h, env, spec.launch.runner, v)
+    rows += workdir_rows(
+        h, f, spec.workdir.path if spec.workdir else "", v
+    )  # the fast subset too: launch must not run a stale copy
     if fast:
         return rows
     route = f.get("route", {})
@@ -292,31 +248,6 @@ def _node_rows(
     return rows
 
 
-def _workdir_rows(spec: ResourceSpec, h: str, f: dict[str, Any], v: dict[str, str]) -> list[Row]:
-    rows: list[Row] = []
-    wd = f.get("workdir")
-    if wd is not None:
-        if not wd.get("exists"):
-            rows.append(Row(h, "workdir", FAIL, f"{spec.workdir.path if spec.workdir else ''} does not exist; "
-                                                "run `nodeops setup`"))  # fmt: skip
-        elif "manifest" in wd:
-            m = wd["manifest"]
-            src = m.get("source") or "the source"
-            if m.get("same"):
-                rows.append(Row(h, "workdir", OK, str(m.get("summary"))))
-            else:
-                rows.append(Row(h, "workdir", FAIL, f"differs from {src} on this machine: {m.get('summary')}; "
-                                                    "run `nodeops setup SPEC --tags shared_path`, or launch with "
-                                                    "--sync"))  # fmt: skip
-        elif "hash" in wd:
-            v["workdir hash"] = str(wd["hash"])
-    sc = f.get("script")
-    if sc is not None and not sc.get("exists"):
-        why = "the script must be in the workdir (in the source, for an rsync workdir) or a path on every node"
-        rows.append(Row(h, "script", FAIL, f"{sc.get('path')} does not exist here; {why}"))
-    return rows
-
-
 def _gpu_row(node: Any, h: str, f: dict[str, Any], env: dict[str, Any], v: dict[str, str],
              auto_gpus: dict[str, list[int]] | None = None) -> Row:  # fmt: skip
     smi = f.get("nvidia_smi") or {}
@@ -348,36 +279,3 @@ def _gpu_row(node: Any, h: str, f: dict[str, Any], env: dict[str, Any], v: dict[
         return Row(h, "gpus", FAIL, f"nvidia-smi shows {len(seen)} GPUs but torch sees {torch_n} ({why})")
     names = sorted({str(g["name"]) for g in gpus})
     return Row(h, "gpus", OK, f"{len(seen)} visible ({', '.join(names)}), torch sees {torch_n}")
-
-
-def _parity_rows(chief: str, facts: dict[str, dict[str, Any]], values: dict[str, dict[str, str]],
-                 fast: bool) -> list[Row]:  # fmt: skip
-    rows: list[Row] = []
-    keys = [*PARITY] + ([] if fast else ["workdir hash"])
-    for key in keys:
-        have = {h: vals[key] for h, vals in values.items() if key in vals}
-        ref = _reference(have, chief)
-        for h, val in have.items():
-            if h != chief and ref is not None and val != ref:
-                hint = "; re-run `nodeops setup` to sync it" if key == "workdir hash" else ""
-                rows.append(Row(h, key, FAIL, f"{val} here, {ref} on the chief {chief}{hint}"))
-            elif key in ("torch", "workdir hash") and val == ref:
-                rows.append(Row(h, key, OK, f"{val} (same as the chief)" if h != chief else val))
-    pkgs = {h: f.get("env", {}).get("packages") for h, f in facts.items() if f.get("env", {}).get("packages")}
-    ref_pk = pkgs.get(chief) or (next(iter(pkgs.values())) if pkgs else None)
-    differing: set[str] = set()
-    for h, pk in pkgs.items():
-        if h == chief or ref_pk is None:
-            continue
-        diffs = sorted(n for n in set(pk) | set(ref_pk) if pk.get(n) != ref_pk.get(n))
-        if diffs:
-            shown = ", ".join(f"{n} {pk.get(n, 'missing')} (chief {ref_pk.get(n, 'missing')})" for n in diffs[:5])
-            more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""
-            rows.append(Row(h, "packages", FAIL, f"{len(diffs)} differ from the chief: {shown}{more}"))
-            differing.update(diffs)
-        else:
-            rows.append(Row(h, "packages", OK, f"{len(pk)} installed, same as the chief"))
-    for h, pk in pkgs.items():  # the diff table shows every host's version of a package that differs
-        for n in differing:
-            values.setdefault(h, {})[f"pkg {n}"] = pk.get(n, "missing")
-    return rows

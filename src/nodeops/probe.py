@@ -225,6 +225,8 @@ def env_facts(plan: dict[str, Any]) -> dict[str, Any]:
 
 def node_facts(plan: dict[str, Any]) -> dict[str, Any]:
     f: dict[str, Any] = {"hostname": socket.gethostname()}
+    if os.environ.get("SLURMD_NODENAME"):  # in a Slurm step: the node's name as Slurm knows it
+        f["slurm_node"] = os.environ["SLURMD_NODENAME"]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     f["nofile"] = [soft, hard]
     try:

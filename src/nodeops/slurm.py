@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeops import failures
+from nodeops import check_rules, failures, probe
 from nodeops.errors import NodeopsError
 from nodeops.quoting import sh_path, sh_run_word, sh_word
 from nodeops.render import activation
@@ -38,6 +38,9 @@ PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN: below Linux's
 PORT_SPAN = 10000
 BATCH_LOG = "batch.log"
 SCRIPT = "job.sbatch"
+PREFLIGHT_IN = "preflight.in"  # the preflight step's input (launch writes it unless --no-check)
+PREFLIGHT_OUT = "preflight.json"  # every row of the preflight step (check_rules.gate writes it)
+PREFLIGHT_TIMEOUT = 300  # seconds the preflight step may take before the job ends as failed
 # Job states after which nothing of the job runs any more (squeue's long names).
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
             "PREEMPTED", "REVOKED", "SPECIAL_EXIT")  # fmt: skip
@@ -119,6 +122,8 @@ def batch_script(loaded: LoadedSpec) -> str:
         activate=activation(spec, login), env=env, signal=s.signal, max_requeues=s.max_requeues,
         nproc=spec.launch.nproc_per_node or 1, max_restarts=spec.launch.max_restarts, torchrun_extra=extra,
         port_base=PORT_BASE, port_span=PORT_SPAN, restart_mark=RESTART_MARK,
+        preflight_in=PREFLIGHT_IN, preflight_out=PREFLIGHT_OUT, preflight_timeout=PREFLIGHT_TIMEOUT,
+        probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),
     ))  # fmt: skip
 
 
@@ -150,16 +155,21 @@ def run_dir_sh(run_id: str) -> str:
     return f'"$HOME"/.nodeops/runs/{sh_word(run_id)}'
 
 
-def submit(login: Login, run_id: str, script: str, user_argv: Sequence[str]) -> str:
-    """Write the run dir and the batch script on the login node and ``sbatch --parsable`` it;
-    returns the job id. The user's arguments become the script's, quoted for the login shell."""
+def submit(login: Login, run_id: str, script: str, user_argv: Sequence[str],
+           files: Mapping[str, str] | None = None) -> str:  # fmt: skip
+    """Write the run dir, the batch script and ``files`` (name -> text: the preflight's input) on
+    the login node and ``sbatch --parsable`` it; returns the job id. The user's arguments become
+    the script's, quoted for the login shell."""
     d = run_dir_sh(run_id)
-    b64 = base64.b64encode(script.encode()).decode()
     args = " ".join(sh_word(a) for a in user_argv)
+    writes = "".join(
+        f'printf %s {base64.b64encode(text.encode()).decode()} | base64 -d > "$d/"{sh_word(name)}\n'
+        for name, text in {SCRIPT: script, **(files or {})}.items()
+    )
     text = (
         "set -eu\numask 077\n"
         f'd={d}\nmkdir -p "$d/logs"\nchmod 700 "$d"\n'
-        f'printf %s {b64} | base64 -d > "$d/{SCRIPT}"\n'
+        f"{writes}"
         "command -v sbatch >/dev/null || { echo 'sbatch is not on PATH here' >&2; exit 3; }\n"
         # the run dir reaches the job by name on sbatch's command line (SBATCH_EXPORT=NONE cannot
         # drop it; values would be split at commas); the run id also goes into the job's comment,
@@ -249,7 +259,10 @@ for name in names:
 try:
     with open(os.path.join(d, "result.json")) as f:
         out["result"] = json.load(f)
-except (OSError, ValueError):
+    if out["result"].get("preflight"):  # the rows that failed the preflight step
+        with open(os.path.join(d, a["preflight"])) as f:
+            out["result"]["preflight_rows"] = [r for r in json.load(f)["rows"] if r["status"] == "fail"]
+except (OSError, ValueError, KeyError, TypeError, AttributeError):
     pass
 print(json.dumps(out))
 """
@@ -283,7 +296,8 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
     """The job's state and each log's bytes from ``offsets`` on (whole lines, unless ``whole``);
     ``tail``: each log's last ``max_bytes`` instead."""
     args = json.dumps({"run_dir": f"~/.nodeops/runs/{run_id}", "job": job_id, "offsets": offsets,
-                       "batch": BATCH_LOG, "max": max_bytes, "all": whole, "tail": tail})  # fmt: skip
+                       "batch": BATCH_LOG, "max": max_bytes, "all": whole, "tail": tail,
+                       "preflight": PREFLIGHT_OUT})  # fmt: skip
     code = _POLL.replace("json.loads(ARGS)", f"json.loads({args!r})")
     p = login.run(f"python3 - <<'NODEOPS_POLL'\n{code}\nNODEOPS_POLL\n")
     if p.returncode != 0:
@@ -455,7 +469,21 @@ def exit_code(st: Poll, batch_lines: Sequence[str] = (), tails: Tails | None = N
     return failures.exit_code_for("failed", code) or 1
 
 
+def preflight_failure(st: Poll) -> str:
+    """'' unless the job ended in its preflight step; then which node failed which check."""
+    if not st.result or not st.result.get("preflight"):
+        return ""
+    rows = st.result.get("preflight_rows") or []
+    hosts = ", ".join(dict.fromkeys(str(r.get("host")) for r in rows)) or "a node (no rows were kept)"
+    first = rows[0] if rows else {}
+    what = f" ({first.get('check')}: {first.get('detail')})" if first else ""
+    return f"the preflight failed on {hosts}{what}; no training rank was started"
+
+
 def describe(st: Poll) -> str:
+    pre = preflight_failure(st)
+    if pre:
+        return f"{st.state or 'ended'}: {pre}"
     if st.error and not st.state:
         return f"state unknown ({st.error})"
     if not st.state:

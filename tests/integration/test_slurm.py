@@ -118,7 +118,49 @@ def test_ddp_on_uneven_gpus_every_rank_agrees(cluster: sandbox.Sandbox, project:
     hashes = HASH.findall(p.stdout)
     assert len(hashes) == 4 and len({h for _, _, h in hashes}) == 1, hashes
     assert "COMPLETED" in p.stderr
+    # the job's first step was the preflight, on every node of the allocation
+    assert "nodeops: preflight ok on 3 node(s)" in p.stdout, p.stdout[-3000:]
     assert leftovers(cluster) == {}
+
+
+def test_a_node_without_the_workdir_ends_the_job_in_its_preflight_step(
+    cluster: sandbox.Sandbox, project: Path, tmp_path: Path
+) -> None:
+    """The workdir is node-local here (sync: none), made by hand on node1 and node2 only: node3's
+    task of the preflight step finds no workdir and no script there, and the job ends before srun
+    starts torchrun anywhere. launch, status and the logs name node3 and the row."""
+    wd = "/srv/preflight-it"
+    for node in cluster.nodes:
+        sandbox.docker("exec", node.container, "rm", "-rf", wd)
+    for node in cluster.nodes[:2]:
+        sandbox.docker("exec", node.container, "install", "-d", "-o", "debian", "-g", "debian", wd)
+        sandbox.docker("exec", "-u", "debian", node.container, "cp", f"{WORKDIR}/ddp_train.py", wd)
+    spec = tmp_path / "local-workdir.yaml"
+    text = (project / "cluster.yaml").read_text()
+    spec.write_text(text.replace(f"workdir:\n  path: {WORKDIR}\n", f"workdir:\n  path: {wd}\n  sync: none\n"))
+    assert f"path: {wd}" in spec.read_text()
+    p = nodeops("launch", str(spec), "--", "ddp_train.py", "--steps", "5")
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert f"node3: workdir: {wd} does not exist" in p.stderr, p.stderr[-3000:]
+    assert f"node3: script: {wd}/ddp_train.py does not exist here" in p.stderr, p.stderr[-3000:]
+    assert "preflight failed on node3" in p.stderr and "no training rank was started" in p.stderr
+    assert not PLACED.findall(p.stdout) and "[rank" not in p.stdout, p.stdout[-3000:]
+    run_id = re.search(r"==> run (\S+): sbatch", p.stderr).group(1)  # type: ignore[union-attr]
+    st = nodeops("status", run_id)
+    assert st.returncode == 1 and "the preflight failed on node3 (workdir:" in st.stdout, st.stdout + st.stderr
+    logs = nodeops("logs", run_id)
+    assert "nodeops: preflight: node3: workdir:" in logs.stdout and "[rank" not in logs.stdout, logs.stdout
+    for node in cluster.nodes:  # srun never ran torchrun: no rank's log dir anywhere
+        ranks = sandbox.docker("exec", node.container, "sh", "-c", f"ls ~debian/.nodeops/runs/{run_id}/ranks "
+                               "2>/dev/null || true", check=False)  # fmt: skip
+        assert ranks.strip() == "", (node.name, ranks)
+    assert leftovers(cluster) == {}
+    # --no-check: the same job goes straight to torchrun (and fails there, on node3's missing dir)
+    p = nodeops("launch", str(spec), "--no-check", "--", "ddp_train.py", "--steps", "5")
+    assert p.returncode != 0 and "nodeops: preflight" not in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    assert leftovers(cluster) == {}
+    for node in cluster.nodes:
+        sandbox.docker("exec", node.container, "rm", "-rf", wd)
 
 
 def test_check_probes_every_node_slurm_gives_in_one_srun_step(cluster: sandbox.Sandbox, project: Path) -> None:

@@ -86,6 +86,12 @@ class LaunchRequest:
     fabric_check: bool = False
     hang_timeout: float | None = None  # seconds; None: the spec's launch.hang_timeout; 0: off
 
+    def script_file(self) -> str | None:
+        """The file launch will run in the workdir: --script's, else the training script (not `-m mod`)."""
+        if self.script is not None:
+            return self.script
+        return self.argv[0] if self.argv and not self.argv[0].startswith("-") else None
+
     def asked(self) -> dict[str, bool]:
         """Which capabilities this request needs (keys of :data:`OPTION_OF`)."""
         return {"detach": self.detach, "via_ansible": self.via != "ssh", "script": self.script is not None,

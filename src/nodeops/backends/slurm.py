@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from nodeops import check, failures, probe, slurm, store
+from nodeops import check, check_rules, failures, probe, slurm, store
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import deferred_interrupts, ignoring_interrupts, sigterm_as_interrupt
@@ -145,6 +145,14 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     if slurm.outcome(st) == "stopped":
         keep_verdict(job, st, 130)
         raise ExitWith(130, f"==> run {job.run_id}: job {slurm_id(job)} was cancelled")
+    pre_rows = (st.result or {}).get("preflight_rows")
+    if (st.result or {}).get("preflight"):
+        keep_verdict(job, st, EXIT_FAILURE, None)
+        for r in pre_rows or []:
+            sink.note(f"{r.get('host')}: {r.get('check')}: {r.get('detail')}")
+        hosts = ", ".join(dict.fromkeys(str(r.get("host")) for r in pre_rows or [])) or "a node"
+        raise ExitWith(EXIT_FAILURE, f"==> run {job.run_id}: preflight failed on {hosts} in job {slurm_id(job)}'s "
+                       f"first step; no training rank was started (skip with --no-check)")  # fmt: skip
     tails = logs_tail(job)
     batch = tails.pop("batch", [])
     code = slurm.exit_code(st, batch, tails)
@@ -181,18 +189,34 @@ def srun_options(spec: ResourceSpec) -> list[str]:
     return [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--time=10", *slurm.shape_options(spec), *reservation]
 
 
+def node_plan(loaded: LoadedSpec, fast: bool, timeout: float, script: str | None = None) -> dict[str, Any]:
+    """What the probe does on each node Slurm gives: what chief_main hands a node, made from the
+    login node's plan (the spec's only node); no ports (a job's port comes from its id)."""
+    login = loaded.spec.login_node()
+    chief_plan = check.plan(loaded, fast=fast, timeout=timeout, script=script)
+    return dict(chief_plan["nodes"][0]["plan"], mode="node", name="", nonce="", ports=[],
+                chief_address=login.address if login is not None else "127.0.0.1",
+                manifest=chief_plan.get("manifest"))  # fmt: skip
+
+
+def preflight_input(loaded: LoadedSpec, script: str | None) -> str:
+    """The batch script's preflight step's input (``slurm.PREFLIGHT_IN``): the probe and the
+    rules' source, the fast plan (``script``: the training script, relative to the workdir)."""
+    spec = loaded.spec
+    return json.dumps({
+        "source": Path(probe.__file__).read_text(), "rules": Path(check_rules.__file__).read_text(),
+        "plan": node_plan(loaded, True, slurm.PREFLIGHT_TIMEOUT, script),
+        "expect": {"runner": spec.launch.runner, "workdir": spec.workdir.path if spec.workdir else ""},
+    })  # fmt: skip
+
+
 def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> tuple[ResourceSpec, dict[str, Any]]:
     """The probe in one srun step on the login node, one task per node Slurm gives; returns a
     spec listing those nodes (for :func:`evaluate`) and the probe's document. No port rows: a
     Slurm job's port comes from its job id, so there is none to test before it runs."""
     spec = loaded.spec
     login = spec.login_node()
-    # what chief_main hands each node, for the login node's plan (the spec's only node)
-    chief_plan = check.plan(loaded, fast=fast, timeout=timeout)
-    node_plan = dict(chief_plan["nodes"][0]["plan"], mode="node", name="", nonce="", ports=[],
-                     chief_address=login.address if login is not None else "127.0.0.1",
-                     manifest=chief_plan.get("manifest"))  # fmt: skip
-    payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": node_plan})
+    payload = json.dumps({"source": Path(probe.__file__).read_text(), "plan": node_plan(loaded, fast, timeout)})
     name = f"nodeops-check-{secrets.token_hex(4)}"  # to scancel it by, should this end before srun does
     opts = " ".join(sh_word(o) for o in [*srun_options(spec), f"--job-name={name}"])
     script = (
@@ -214,6 +238,8 @@ def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -
     if not facts:
         raise check.CheckError(f"the srun step on {where.where} gave no node's facts (exit {p.returncode}): "
                          f"{last_line(p.stderr, 'no output')}")  # fmt: skip
+    for f in facts:  # the node as Slurm names it (its hostname may be longer)
+        f["hostname"] = str(f.get("slurm_node") or f["hostname"])
     names = sorted(str(f["hostname"]) for f in facts)
     per_node = [] if spec.slurm is None or spec.slurm.gpus_per_node is None else list(range(spec.slurm.gpus_per_node))
     nodes = [Node(address=h, name=h, gpus=per_node, chief=i == 0) for i, h in enumerate(names)]
@@ -271,6 +297,10 @@ class SlurmBackend(Backend):
         out.out(f"#   sbatch --parsable --output=RUN_DIR/{slurm.BATCH_LOG} RUN_DIR/{slurm.SCRIPT} "
                 + " ".join(sh_word(a) for a in request.argv))  # fmt: skip
         out.out(slurm.batch_script(loaded).removesuffix("\n"))
+        if request.check:
+            out.note(f"==> the job's first step would be the preflight: RUN_DIR/{slurm.PREFLIGHT_IN} holds the probe "
+                     "of `nodeops check` and its rules (python env, runner, workdir, script, parity); "
+                     "--no-check leaves it out")  # fmt: skip
         return out
 
     def launch(self, loaded: LoadedSpec, request: LaunchRequest, sink: Sink) -> None:
@@ -284,15 +314,18 @@ class SlurmBackend(Backend):
         login = login_of(loaded, local / "ssh_config")
         script = slurm.batch_script(loaded)
         (local / slurm.SCRIPT).write_text(script)
+        # the preflight runs as the job's first step (the same probe and rules as `check`)
+        files = {slurm.PREFLIGHT_IN: preflight_input(loaded, request.script_file())} if request.check else {}
         t0 = time.monotonic()
         nodes = loaded.spec.slurm.nodes if loaded.spec.slurm else 0
-        sink.note(f"==> run {run_id}: sbatch on {login.where} ({nodes} node(s))")
+        pre = "its first step the preflight" if request.check else "no preflight (--no-check)"
+        sink.note(f"==> run {run_id}: sbatch on {login.where} ({nodes} node(s); {pre})")
         # Ctrl-C or SIGTERM while sbatch runs waits until the job's record is saved, then cancels it:
         # a job is never queued without a record to stop it by.
         noted = "==> interrupt noted: waiting for sbatch to answer, then the job is cancelled"
         with deferred_interrupts(lambda: sink.note(noted)) as interrupted:
             try:
-                job_id = slurm.submit(login, run_id, script, user_argv)
+                job_id = slurm.submit(login, run_id, script, user_argv, files)
             except slurm.SlurmError as e:
                 job_id = ""
                 why = str(e)

@@ -88,7 +88,12 @@ def launch(
         Via, typer.Option(help="How to start the jobs: one ssh per host (like pdsh), or the launch.yml playbook.")
     ] = Via.ssh,
     no_check: Annotated[
-        bool, typer.Option("--no-check", help="Skip the preflight (ssh from the chief, ports, version parity).")
+        bool,
+        typer.Option(
+            "--no-check",
+            help="Skip the preflight (ssh: from the chief, ports, versions, workdir; "
+            "Slurm: the job's first step, the same probe in the allocation).",
+        ),
     ] = False,
     dry_run: Annotated[
         bool,

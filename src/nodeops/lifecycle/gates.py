@@ -52,13 +52,6 @@ def sync_workdir(loaded: LoadedSpec, sink: Sink) -> None:
     )
 
 
-def script_file(user_argv: list[str], script: str | None) -> str | None:
-    """The file launch will run in the workdir: --script's, else the training script (not `-m mod`)."""
-    if script is not None:
-        return script
-    return user_argv[0] if user_argv and not user_argv[0].startswith("-") else None
-
-
 def preflight(loaded: LoadedSpec, sink: Sink, script: str | None = None) -> None:
     """`nodeops check`'s fast subset: ssh from the chief, the job's ports, version parity, the
     workdir against the source, and the script present on every node."""

@@ -51,7 +51,7 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
     if request.sync:
         gates.sync_workdir(loaded, sink)
     if request.check and backend.capabilities.preflight:
-        gates.preflight(loaded, sink, gates.script_file(request.argv, request.script))
+        gates.preflight(loaded, sink, request.script_file())
     if request.fabric_check:
         fabric_gate(loaded, request.spec_path, sink)
     backend.launch(loaded, request, sink)
