@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from nodeops.errors import SpecError, SpecIssue
+from nodeops.quoting import SafeLoader
 from nodeops.render import ssh_args_options
 from nodeops.spec_load import validate_located
 from nodeops.yamlpos import Located, Path_, Pos
@@ -47,7 +48,7 @@ def looks_like_inventory(path: Path) -> bool:
     if path.stat().st_mode & (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH) and text.startswith("#!"):
         return True  # a dynamic inventory script
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=SafeLoader)
     except yaml.YAMLError:
         data = None
         if not re.search(r"^\s*\[[^\]]+\]\s*$", text, re.M):
