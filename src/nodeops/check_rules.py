@@ -113,8 +113,10 @@ def workdir_rows(h: str, f: dict[str, Any], workdir: str, v: dict[str, str]) -> 
 
 def parity_rows(chief: str, facts: dict[str, dict[str, Any]], values: dict[str, dict[str, str]],
                 fast: bool) -> list[Row]:  # fmt: skip
-    """Versions, packages (and, in full checks, the workdir hash) against the chief's."""
+    """Versions, packages (and, in full checks, the workdir hash) against the chief's; with no
+    ``chief`` (a Slurm allocation), against what most nodes have."""
     rows: list[Row] = []
+    there, ref_name = (f"on the chief {chief}", "the chief") if chief else ("on most nodes", "most nodes")
     keys = [*PARITY] + ([] if fast else ["workdir hash"])
     for key in keys:
         have = {h: vals[key] for h, vals in values.items() if key in vals}
@@ -122,23 +124,28 @@ def parity_rows(chief: str, facts: dict[str, dict[str, Any]], values: dict[str, 
         for h, val in have.items():
             if h != chief and ref is not None and val != ref:
                 hint = "; re-run `nodeops setup` to sync it" if key == "workdir hash" else ""
-                rows.append(Row(h, key, FAIL, f"{val} here, {ref} on the chief {chief}{hint}"))
+                rows.append(Row(h, key, FAIL, f"{val} here, {ref} {there}{hint}"))
             elif key in ("torch", "workdir hash") and val == ref:
-                rows.append(Row(h, key, OK, f"{val} (same as the chief)" if h != chief else val))
+                rows.append(Row(h, key, OK, f"{val} (same as {ref_name})" if h != chief else val))
     pkgs = {h: f.get("env", {}).get("packages") for h, f in facts.items() if f.get("env", {}).get("packages")}
-    ref_pk = pkgs.get(chief) or (next(iter(pkgs.values())) if pkgs else None)
+    if chief in pkgs or not pkgs:
+        ref_pk = pkgs.get(chief)
+    else:
+        common = Counter(json.dumps(pk, sort_keys=True) for pk in pkgs.values()).most_common(1)[0][0]
+        ref_pk = json.loads(common)
+    short = "chief" if chief else "most"
     differing: set[str] = set()
     for h, pk in pkgs.items():
         if h == chief or ref_pk is None:
             continue
         diffs = sorted(n for n in set(pk) | set(ref_pk) if pk.get(n) != ref_pk.get(n))
         if diffs:
-            listed = ", ".join(f"{n} {pk.get(n, 'missing')} (chief {ref_pk.get(n, 'missing')})" for n in diffs[:5])
+            listed = ", ".join(f"{n} {pk.get(n, 'missing')} ({short} {ref_pk.get(n, 'missing')})" for n in diffs[:5])
             more = f" and {len(diffs) - 5} more" if len(diffs) > 5 else ""
-            rows.append(Row(h, "packages", FAIL, f"{len(diffs)} differ from the chief: {listed}{more}"))
+            rows.append(Row(h, "packages", FAIL, f"{len(diffs)} differ from {ref_name}: {listed}{more}"))
             differing.update(diffs)
         else:
-            rows.append(Row(h, "packages", OK, f"{len(pk)} installed, same as the chief"))
+            rows.append(Row(h, "packages", OK, f"{len(pk)} installed, same as {ref_name}"))
     for h, pk in pkgs.items():  # the diff table shows every host's version of a package that differs
         for n in differing:
             values.setdefault(h, {})[f"pkg {n}"] = pk.get(n, "missing")
@@ -167,9 +174,13 @@ def gate(expect: dict[str, Any], documents: Callable[[str], list[dict[str, Any]]
     and writes ``preflight.json`` (every row) into ``expect["out"]``; 0 when nothing failed."""
     facts = {str(d.get("slurm_node") or d.get("hostname")): d for d in documents(output)}
     missing = [n for n in nodes if n not in facts]
-    ordered = {n: facts[n] for n in nodes if n in facts} | {h: f for h, f in facts.items() if h not in nodes}
-    rows = [Row(n, "probe", FAIL, "no answer from the preflight's srun task on this node") for n in missing]
-    rows += fast_rows(ordered, nodes[0] if nodes else "", expect["runner"], expect["workdir"])
+    ordered = {**{n: facts[n] for n in nodes if n in facts}, **{h: f for h, f in facts.items() if h not in nodes}}
+    srun = int(expect.get("srun_exit") or 0)
+    why = ("" if not srun else "; the step timed out" if srun in (124, 137)
+           else f"; srun exited {srun} (its error is in the batch log)")  # fmt: skip
+    rows = [Row(n, "probe", FAIL, f"no answer from the preflight's srun task on this node{why}") for n in missing]
+    # parity against what most nodes have (no chief on Slurm: the first node may be the odd one)
+    rows += fast_rows(ordered, "", expect["runner"], expect["workdir"])
     failed = [r for r in rows if r.status == FAIL]
     with open(os.path.join(expect["out"], "preflight.json"), "w") as fh:
         json.dump({"status": FAIL if failed else OK, "hosts": list(ordered) + missing,
@@ -180,7 +191,7 @@ def gate(expect: dict[str, Any], documents: Callable[[str], list[dict[str, Any]]
 
 
 def gate_main(argv: list[str]) -> None:
-    """``PAYLOAD PROBE_OUTPUT RUN_DIR NODE...`` (see :data:`GATE_BOOT`): the payload holds the
+    """``PAYLOAD PROBE_OUTPUT RUN_DIR SRUN_EXIT NODE...`` (see :data:`GATE_BOOT`): the payload holds the
     probe's and this file's source and ``expect``; the probe's own ``documents`` reads its frames."""
     with open(argv[0]) as fh:
         d = json.load(fh)
@@ -191,4 +202,4 @@ def gate_main(argv: list[str]) -> None:
         output = ""
     g: dict[str, Any] = {"__name__": "nodeops_probe"}
     exec(compile(d["source"], "nodeops-probe", "exec"), g)
-    sys.exit(gate(dict(d["expect"], out=argv[2]), g["documents"], output, argv[3:]))
+    sys.exit(gate(dict(d["expect"], out=argv[2], srun_exit=argv[3]), g["documents"], output, argv[4:]))

@@ -369,6 +369,7 @@ def documents(output: str) -> list[dict[str, Any]]:
     """Every whole document in ``output`` (written by :func:`frames`, possibly interleaved with
     other lines and other documents' frames), in the order their last frame came."""
     parts: dict[str, dict[int, str]] = {}
+    finished: set[str] = set()
     done: list[dict[str, Any]] = []
     for line in output.splitlines():
         if not line.startswith(MARK):
@@ -376,10 +377,16 @@ def documents(output: str) -> list[dict[str, Any]]:
         tag, _, rest = line[len(MARK) :].partition(" ")
         count, _, piece = rest.partition(" ")
         i, _, n = count.partition("/")
-        if not (i.isdigit() and n.isdigit()):
-            continue
+        if not (i.isdigit() and n.isdigit()) or int(i) >= int(n) or tag in finished:
+            continue  # not a frame, or one of a document already read (srun may repeat output)
         got = parts.setdefault(tag, {})
         got[int(i)] = piece
         if len(got) == int(n):
-            done.append(json.loads("".join(got[k] for k in range(int(n)))))
+            finished.add(tag)
+            try:
+                doc = json.loads("".join(got.pop(k) for k in range(int(n))))
+            except ValueError:
+                continue  # garbled: that node counts as not having answered
+            if isinstance(doc, dict):
+                done.append(doc)
     return done

@@ -473,6 +473,9 @@ def preflight_failure(st: Poll) -> str:
     """'' unless the job ended in its preflight step; then which node failed which check."""
     if not st.result or not st.result.get("preflight"):
         return ""
+    if st.result.get("preflight") == "error":
+        return (f"the preflight step itself failed (exit {st.result.get('exit')}; python3 on the batch node? "
+                "its error is in the batch log); no training rank was started")  # fmt: skip
     rows = st.result.get("preflight_rows") or []
     hosts = ", ".join(dict.fromkeys(str(r.get("host")) for r in rows)) or "a node (no rows were kept)"
     first = rows[0] if rows else {}

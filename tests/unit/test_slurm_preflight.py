@@ -46,10 +46,13 @@ def probe_as_node(payload: Path, node: str, torch: str = "2.13.0") -> str:
     return p.stdout
 
 
-def gate(payload: Path, output: str, run_dir: Path, nodes: list[str]) -> subprocess.CompletedProcess[str]:
+def gate(
+    payload: Path, output: str, run_dir: Path, nodes: list[str], srun: int = 0
+) -> subprocess.CompletedProcess[str]:
     (run_dir / "preflight.out").write_text(output)
     return subprocess.run([BARE, "-I", "-c", check_rules.GATE_BOOT, str(payload), str(run_dir / "preflight.out"),
-                           str(run_dir), *nodes], capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+                           str(run_dir), str(srun), *nodes], capture_output=True, text=True, timeout=60,
+                          check=False)  # fmt: skip
 
 
 def rows(run_dir: Path) -> list[dict[str, Any]]:
@@ -98,15 +101,21 @@ def test_a_node_whose_task_never_answered_fails_the_gate_and_a_healthy_set_passe
     p = gate(payload, out, tmp_path, ["node1", "node2"])
     assert p.returncode == 1
     assert "nodeops: preflight: node2: probe: no answer from the preflight's srun task" in p.stdout
+    p = gate(payload, out, tmp_path, ["node1", "node2"], srun=124)  # `timeout` ended the step
+    assert "node2: probe: no answer from the preflight's srun task on this node; the step timed out" in p.stdout
 
 
-def test_parity_is_judged_against_the_first_node_of_the_allocation() -> None:
+def test_parity_is_judged_against_most_nodes_of_the_allocation() -> None:
     def facts(torch: str) -> dict[str, Any]:
         return {"env": {"python": "3.11.2", "torch": torch, "packages": {"torch": torch}}, "workdir": {"exists": True}}
 
-    got = check_rules.fast_rows({"node1": facts("2.13.0"), "node2": facts("2.12.0")}, "node1", "torchrun", "/w")
-    bad = [(r.host, r.check) for r in got if r.status == check_rules.FAIL]
-    assert bad == [("node2", "torch"), ("node2", "packages")]
+    # the first node is the odd one: it is named, not the two that agree
+    got = check_rules.fast_rows({"node1": facts("2.12.0"), "node2": facts("2.13.0"), "node3": facts("2.13.0")},
+                                "", "torchrun", "/w")  # fmt: skip
+    bad = [(r.host, r.check, r.detail) for r in got if r.status == check_rules.FAIL]
+    assert [(h, c) for h, c, _ in bad] == [("node1", "torch"), ("node1", "packages")]
+    assert bad[0][2] == "2.12.0 here, 2.13.0 on most nodes"
+    assert "differ from most nodes: torch 2.12.0 (most 2.13.0)" in bad[1][2]
 
 
 def test_poll_and_verdict_name_the_node_and_row_of_a_failed_preflight(fake_slurm: Path) -> None:  # noqa: F811
@@ -124,9 +133,29 @@ def test_poll_and_verdict_name_the_node_and_row_of_a_failed_preflight(fake_slurm
                                   "`nodeops setup`); no training rank was started")  # fmt: skip
 
 
+def test_documents_skip_what_cannot_be_a_document() -> None:
+    """Frames out of range, a document's frames repeated after it was read, and garbled JSON are
+    skipped (that node then counts as not having answered), never an exception."""
+    good = probe.frames({"hostname": "n1"})
+    tag = good.split()[1]
+    assert probe.documents(good + good) == [{"hostname": "n1"}]
+    assert probe.documents(f"{probe.MARK}{tag}x 5/1 {{}}\n") == []
+    assert probe.documents(f"{probe.MARK}abc 0/1 {{not json\n{probe.MARK}def 0/1 [1]\n") == []
+
+
+def test_a_preflight_that_broke_by_itself_is_not_blamed_on_a_node(fake_slurm: Path) -> None:  # noqa: F811
+    d = fake_slurm / "home" / ".nodeops" / "runs" / "r8"
+    d.mkdir(parents=True)
+    (d / "result.json").write_text('{"exit": 127, "restart": 0, "signal": "", "requeued": false, '
+                                   '"preflight": "error"}\n')  # fmt: skip
+    st = slurm.poll(slurm.Login(None), "r8", "4242", {})
+    assert slurm.describe(st).startswith("RUNNING: the preflight step itself failed (exit 127; python3 on the batch")
+
+
 @pytest.mark.parametrize("name", ["slurm-full.happy.yaml", "slurm-sandbox.happy.yaml"])
 def test_the_batch_script_runs_the_preflight_only_when_launch_wrote_its_input(name: str) -> None:
     text = slurm.batch_script(load_spec(SPECS / name))
     pre, train = text.index(f'if [ -r "$run_dir/{slurm.PREFLIGHT_IN}" ]'), text.index("python -m torch.distributed.run")
     assert pre < train
-    assert '"preflight": "failed"' in text[pre:train] and 'exit "$pre"' in text[pre:train]
+    block = text[pre:train]
+    assert '"preflight": "%s"' in block and "kind=error" in block and 'exit "$pre"' in block

@@ -146,6 +146,11 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
         keep_verdict(job, st, 130)
         raise ExitWith(130, f"==> run {job.run_id}: job {slurm_id(job)} was cancelled")
     pre_rows = (st.result or {}).get("preflight_rows")
+    if (st.result or {}).get("preflight") == "error":
+        keep_verdict(job, st, EXIT_FAILURE, None)
+        for line in logs_tail(job).get("batch", [])[-10:]:
+            sink.note(f"    batch | {line}")
+        raise ExitWith(EXIT_FAILURE, f"==> run {job.run_id}: job {slurm_id(job)}: {slurm.preflight_failure(st)}")
     if (st.result or {}).get("preflight"):
         keep_verdict(job, st, EXIT_FAILURE, None)
         for r in pre_rows or []:
