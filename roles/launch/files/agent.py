@@ -46,7 +46,6 @@ import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 if __package__:
@@ -87,22 +86,8 @@ def log(msg: str) -> None:
 
 
 def tagged_pids() -> list[int]:
-    """Processes of this run on this host: NODEOPS_RUN_ID=<run id> in their environment (an
-    exact entry, never a command line). torchrun starts workers in new sessions, and mpirun or
-    pdsh start ranks from the chief, so the process group alone does not reach them all."""
-    want = f"{P.TAG_VAR}={RUN_ID}".encode()
-    me = os.getpid()
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if want in f.read().split(b"\0"):
-                    out.append(int(entry))
-        except OSError:
-            continue
-    return out
+    """Processes of this run on this host (stacks.tagged_pids)."""
+    return S.tagged_pids(RUN_ID)
 
 
 def leader_is_ours(pgid: int) -> bool:
@@ -190,11 +175,7 @@ def host() -> int:
 # --------------------------------------------------------------------------- stacks
 def stacks_here(native: bool = False, method: str = "auto") -> list[dict[str, Any]]:
     """Every rank's stack on this host, taken at once (one thread per rank)."""
-    found = S.ranks(tagged_pids())
-    if not found:
-        return []
-    with ThreadPoolExecutor(max_workers=min(32, len(found))) as pool:
-        return list(pool.map(lambda rp: S.take(HERE, rp[0], rp[1], native=native, method=method), found))
+    return S.here(HERE, RUN_ID, native, method)
 
 
 # --------------------------------------------------------------------------- guard

@@ -12,7 +12,8 @@ Two methods, and each rank's dump says which one gave it:
 - ``signal``: needs no ptrace and no change to the script. The launch puts ``hook/`` first on
   the ranks' PYTHONPATH; its ``sitecustomize.py`` (``HOOK`` below) registers
   :func:`faulthandler.register` for ``SIGNAL`` in every rank (a process with ``RANK`` in its
-  environment and this run's ``NODEOPS_RUN_ID``), writing to ``stacks/<pid>.txt``. The signal
+  environment and this run's ``NODEOPS_RUN_ID``), writing to ``stacks/<host>-<pid>.txt`` (the
+  host's name: on Slurm the run dir is shared, and pids repeat across nodes). The signal
   is only ever sent to a pid that registered (its file exists): a real-time signal that no
   training stack uses, so nothing else can be disturbed by it.
 
@@ -28,16 +29,19 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 SIGNAL_OFFSET = 7  # SIGRTMIN + 7: the hook's signal (also in HOOK below)
-STACKS_DIR = "stacks"  # in the run dir: <pid>.txt, what faulthandler wrote for each rank
+STACKS_DIR = "stacks"  # in the run dir: <host>-<pid>.txt, what faulthandler wrote for each rank
 HOOK_DIR = "hook"  # in the run dir: sitecustomize.py, first on the ranks' PYTHONPATH
 FLIGHT_DIR = "flight"  # in the run dir: PyTorch's flight-recorder dumps (rank_N), when asked for
 MARK = "@@nodeops-stack "  # agent.py stacks: one JSON document per rank, on this prefix
 NONE_MARK = "@@nodeops-stack-none "  # agent.py stacks: no rank of the run runs here (why)
 METHODS = ("auto", "py-spy", "signal")
+TAG_VAR = "NODEOPS_RUN_ID"  # in the environment of every process of a run (protocol.TAG_VAR)
 
 # The ranks' sitecustomize.py. Written into hook/ by start.sh; never raises (a rank must start
 # whatever happens here); then runs the sitecustomize it hides, if any.
@@ -57,7 +61,7 @@ def _nodeops_stack_hook():
         _nodeops_flight_recorder(run_dir)
     d = _os.path.join(run_dir, "stacks")
     _os.makedirs(d, exist_ok=True)
-    f = open(_os.path.join(d, "%d.txt" % _os.getpid()), "a")
+    f = open(_os.path.join(d, "%s-%d.txt" % (_os.uname()[1], _os.getpid())), "a")
     faulthandler.register(signal.SIGRTMIN + 7, file=f, all_threads=True, chain=False)
     return f
 
@@ -99,6 +103,30 @@ except Exception:
     _nodeops_stack_file = None
 _nodeops_chain()
 """
+
+
+def stack_file(run_dir: str, pid: int) -> str:
+    """Where the hook of the rank ``pid`` on this host writes its dumps (as HOOK names it)."""
+    return os.path.join(run_dir, STACKS_DIR, f"{os.uname()[1]}-{pid}.txt")
+
+
+def tagged_pids(run_id: str) -> list[int]:
+    """Processes of this run on this host: NODEOPS_RUN_ID=<run id> in their environment (an
+    exact entry, never a command line). torchrun starts workers in new sessions, and mpirun,
+    pdsh or srun start ranks from elsewhere, so no process group reaches them all."""
+    want = f"{TAG_VAR}={run_id}".encode()
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if want in f.read().split(b"\0"):
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
 
 
 def environ(pid: int) -> dict[str, str]:
@@ -200,7 +228,7 @@ def parse_faulthandler(text: str) -> list[dict[str, Any]]:
 
 
 def by_signal(run_dir: str, pid: int, timeout: float = 5) -> dict[str, Any]:
-    f = os.path.join(run_dir, STACKS_DIR, f"{pid}.txt")
+    f = stack_file(run_dir, pid)
     try:
         before = os.path.getsize(f)
     except OSError:
@@ -254,6 +282,15 @@ def take(run_dir: str, rank: int, pid: int, *, native: bool = False, method: str
         tried.append(f"{m}: {got['error']}")
     out.update(method="none", frames=[], threads=[], raw="", error="; ".join(tried))
     return out
+
+
+def here(run_dir: str, run_id: str, native: bool = False, method: str = "auto") -> list[dict[str, Any]]:
+    """Every rank of the run on this host, its stack taken at once (one thread per rank)."""
+    found = ranks(tagged_pids(run_id))
+    if not found:
+        return []
+    with ThreadPoolExecutor(max_workers=min(32, len(found))) as pool:
+        return list(pool.map(lambda rp: take(run_dir, rp[0], rp[1], native=native, method=method), found))
 
 
 # --------------------------------------------------------------------------- grouping
@@ -319,3 +356,58 @@ def group_line(g: dict[str, Any]) -> str:
 def suspects(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The groups to blame for a hang: those that differ from the majority."""
     return [g for g in groups if g["odd"]]
+
+
+# --------------------------------------------------------------------------- a hang's verdict
+def judge(dumps: list[dict[str, Any]], timeout: float, idle: float, silent_hosts: list[str],
+          file: str) -> tuple[dict[str, Any], str, str]:  # fmt: skip
+    """The hang watchdog's verdict from every rank's stack (each with its ``host``): the report
+    kept in ``file`` beside the dumps (the groups, those that differ from the majority named as
+    suspects), the one-line why, and the host to blame ('' when no rank's stack differs)."""
+    groups = group(dumps)
+    odd = suspects(groups)
+    report = {"timeout": timeout, "idle_seconds": round(idle, 1), "file": file,
+              "suspects": [group_line(g) for g in odd], "groups": [group_line(g) for g in groups],
+              "silent_hosts": silent_hosts, "ranks": len({d["rank"] for d in dumps})}  # fmt: skip
+    culprit = odd[0] if odd else None
+    if culprit is None:
+        return report, f"hung: no progress for {idle:.0f}s; no rank's stack differs from the others'", ""
+    where = frames_text(culprit["frames"], 1)
+    why = f"hung: no progress for {idle:.0f}s; rank {span(culprit['ranks'])} stuck in {where}"
+    return report, why, culprit["hosts"][0] if culprit["hosts"] else ""
+
+
+def report_lines(hang: dict[str, Any]) -> list[str]:
+    """What the user reads of a hang (after the HUNG line): the stuck ranks, then the others."""
+    out = []
+    found = list(hang.get("suspects") or [])
+    out += [f"    stuck: {line}" for line in found]
+    if not found:
+        out.append("    no rank's stack differs from the others' (every rank waits in the same place):")
+    out += [f"    {'the others' if found else 'all'}: {line}" for line in hang.get("groups") or [] if line not in found]
+    if hang.get("silent_hosts"):
+        out.append(f"    no stacks came from {', '.join(hang['silent_hosts'])}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``python3 stacks.py RUN_DIR [--native] [--method M]``: every rank of the run on this host
+    (the run id is the dir's name), one ``MARK JSON`` line each, else ``NONE_MARK why``. Run by
+    one srun task per node on Slurm, where the run dir is shared."""
+    if len(argv) < 2:
+        sys.stderr.write("usage: stacks.py RUN_DIR [--native] [--method auto|py-spy|signal]\n")
+        return 2
+    run_dir = os.path.abspath(argv[1])
+    method = argv[argv.index("--method") + 1] if "--method" in argv[:-1] else "auto"
+    dumps = here(run_dir, os.path.basename(run_dir), "--native" in argv, method if method in METHODS else "auto")
+    for d in dumps:
+        if len(d.get("raw", "")) > 200_000:  # one line each: keep it within reason
+            d["raw"] = d["raw"][-200_000:]
+        print(MARK + json.dumps(d), flush=True)
+    if not dumps:
+        print(NONE_MARK + f"no rank of run {os.path.basename(run_dir)} runs on {os.uname()[1]}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

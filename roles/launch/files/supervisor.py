@@ -267,23 +267,12 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         """Every guard answered (or STACKS_WAIT passed): name the ranks whose stack differs from
         the majority, keep every dump in hang.json, and stop the run as hung."""
         nonlocal first, outcome, hang_report
-        groups = S.group(hang["dumps"])
-        odd = S.suspects(groups)
-        answered = {d["rank"] for d in hang["dumps"]}
-        hang_report = {"timeout": hang_timeout, "idle_seconds": round(hang["idle"], 1), "file": P.HANG,
-                       "suspects": [S.group_line(g) for g in odd], "groups": [S.group_line(g) for g in groups],
-                       "silent_hosts": [lk.name for lk in links if lk.name not in hang["done"]],
-                       "ranks": len(answered)}  # fmt: skip
+        silent = [lk.name for lk in links if lk.name not in hang["done"]]
+        hang_report, why, host = S.judge(hang["dumps"], hang_timeout, hang["idle"], silent, P.HANG)
         with open(os.path.join(HERE, P.HANG + ".tmp"), "w") as f:
             json.dump({**hang_report, "dumps": hang["dumps"]}, f, indent=1)
         os.replace(os.path.join(HERE, P.HANG + ".tmp"), os.path.join(HERE, P.HANG))
-        culprit = odd[0] if odd else None
-        if culprit is not None:
-            why = (f"hung: no progress for {hang['idle']:.0f}s; rank {S.span(culprit['ranks'])} stuck in "
-                   f"{S.frames_text(culprit['frames'], 1)}")  # fmt: skip
-        else:
-            why = f"hung: no progress for {hang['idle']:.0f}s; no rank's stack differs from the others'"
-        host = culprit["hosts"][0] if culprit is not None and culprit["hosts"] else links[0].name
+        host = host or links[0].name
         first, outcome = {"host": host, "code": None, "why": why, "kind": "hang"}, "hung"
         log(f"hang: {why}")
         stop_all(why)

@@ -192,16 +192,8 @@ def report_hang(job: store.Job, hang: dict[str, Any], sink: Sink) -> None:
     others; every rank's stack (hang.json) is copied from the chief into the run's record here."""
     sink.note(f"==> run {job.run_id} HUNG: no rank showed progress for {hang.get('idle_seconds', 0):.0f}s "
               f"(hang timeout {hang.get('timeout', 0):.0f}s); every rank's stack was taken")  # fmt: skip
-    suspects = list(hang.get("suspects") or [])
-    for line in suspects:
-        sink.note(f"    stuck: {line}")
-    if not suspects:
-        sink.note("    no rank's stack differs from the others' (every rank waits in the same place):")
-    for line in hang.get("groups") or []:
-        if line not in suspects:
-            sink.note(f"    {'the others' if suspects else 'all'}: {line}")
-    if hang.get("silent_hosts"):
-        sink.note(f"    no stacks came from {', '.join(hang['silent_hosts'])}")
+    for line in S.report_lines(hang):
+        sink.note(line)
     dest = job.dir / "stacks" / P.HANG
     if ssh_run.fetch_file(job.ssh_config, job.chief, job.run_id, P.HANG, dest):
         sink.note(f"    every rank's stack: {dest}")
