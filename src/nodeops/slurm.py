@@ -27,6 +27,7 @@ from typing import Any
 
 from nodeops import check_rules, failures, probe
 from nodeops.errors import NodeopsError
+from nodeops.launch import slurm_watch as W
 from nodeops.quoting import sh_path, sh_run_word, sh_word
 from nodeops.render import activation
 from nodeops.resources import data_dir
@@ -40,6 +41,7 @@ BATCH_LOG = "batch.log"
 SCRIPT = "job.sbatch"
 PREFLIGHT_IN = "preflight.in"  # the preflight step's input (launch writes it unless --no-check)
 PREFLIGHT_OUT = "preflight.json"  # every row of the preflight step (check_rules.gate writes it)
+PYTHON_PATH = "python3.path"  # in the run dir: the job's python3 (its activated env's), for `nodeops stacks`
 PREFLIGHT_TIMEOUT = 300  # seconds the preflight step may take before the job ends as failed
 # Job states after which nothing of the job runs any more (squeue's long names).
 TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
@@ -124,6 +126,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         port_base=PORT_BASE, port_span=PORT_SPAN, restart_mark=RESTART_MARK,
         preflight_in=PREFLIGHT_IN, preflight_out=PREFLIGHT_OUT, preflight_timeout=PREFLIGHT_TIMEOUT,
         probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),
+        watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH,
     ))  # fmt: skip
 
 
@@ -157,12 +160,14 @@ def run_dir_sh(run_id: str) -> str:
 
 def submit(login: Login, run_id: str, script: str, user_argv: Sequence[str],
            files: Mapping[str, str] | None = None) -> str:  # fmt: skip
-    """Write the run dir, the batch script and ``files`` (name -> text: the preflight's input) on
+    """Write the run dir, the batch script and ``files`` (name -> text, a name may hold one dir:
+    the preflight's input, the stacks and hang-watchdog files) on
     the login node and ``sbatch --parsable`` it; returns the job id. The user's arguments become
     the script's, quoted for the login shell."""
     d = run_dir_sh(run_id)
     args = " ".join(sh_word(a) for a in user_argv)
-    writes = "".join(
+    dirs = sorted({name.rsplit("/", 1)[0] for name in files or {} if "/" in name})
+    writes = "".join(f'mkdir -p "$d/"{sh_word(sub)}\n' for sub in dirs) + "".join(
         f'printf %s {base64.b64encode(text.encode()).decode()} | base64 -d > "$d/"{sh_word(name)}\n'
         for name, text in {SCRIPT: script, **(files or {})}.items()
     )
@@ -262,6 +267,9 @@ try:
     if out["result"].get("preflight"):  # the rows that failed the preflight step
         with open(os.path.join(d, a["preflight"])) as f:
             out["result"]["preflight_rows"] = [r for r in json.load(f)["rows"] if r["status"] == "fail"]
+    if out["result"].get("hang"):  # the hang watchdog's verdict, without every rank's dump
+        with open(os.path.join(d, a["hang"])) as f:
+            out["result"]["hang_report"] = {k: v for k, v in json.load(f).items() if k != "dumps"}
 except (OSError, ValueError, KeyError, TypeError, AttributeError):
     pass
 print(json.dumps(out))
@@ -297,7 +305,7 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
     ``tail``: each log's last ``max_bytes`` instead."""
     args = json.dumps({"run_dir": f"~/.nodeops/runs/{run_id}", "job": job_id, "offsets": offsets,
                        "batch": BATCH_LOG, "max": max_bytes, "all": whole, "tail": tail,
-                       "preflight": PREFLIGHT_OUT})  # fmt: skip
+                       "preflight": PREFLIGHT_OUT, "hang": W.HANG})  # fmt: skip
     code = _POLL.replace("json.loads(ARGS)", f"json.loads({args!r})")
     p = login.run(f"python3 - <<'NODEOPS_POLL'\n{code}\nNODEOPS_POLL\n")
     if p.returncode != 0:
@@ -450,10 +458,13 @@ def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tup
 
 
 def outcome(st: Poll) -> str:
-    """ok, stopped (cancelled) or failed: a finished job's outcome, as a run's verdict says it."""
+    """ok, stopped (cancelled), hung (the hang watchdog ended it) or failed: a finished job's
+    outcome, as a run's verdict says it."""
     if st.state == "COMPLETED" or (st.forgotten and st.result is not None and st.result.get("exit") == 0):
         return "ok"
-    return "stopped" if st.state == "CANCELLED" else "failed"
+    if st.state == "CANCELLED":
+        return "stopped"
+    return "hung" if hang_of(st) is not None else "failed"
 
 
 def exit_code(st: Poll, batch_lines: Sequence[str] = (), tails: Tails | None = None) -> int:
@@ -483,12 +494,25 @@ def preflight_failure(st: Poll) -> str:
     return f"the preflight failed on {hosts}{what}; no training rank was started"
 
 
+def hang_of(st: Poll) -> dict[str, Any] | None:
+    """The hang watchdog's report when it ended the job (and no requeue followed), else None."""
+    res = st.result or {}
+    if not res.get("hang") or res.get("requeued"):
+        return None
+    report = res.get("hang_report")
+    return report if isinstance(report, dict) else {}
+
+
 def describe(st: Poll) -> str:
     pre = preflight_failure(st)
     if pre:
         return f"{st.state or 'ended'}: {pre}"
     if st.error and not st.state:
         return f"state unknown ({st.error})"
+    hang = hang_of(st)
+    if hang is not None:
+        suspect = f"; suspect node {hang['host']}" if hang.get("host") else ""
+        return f"{st.state or 'ended'}: {hang.get('why') or 'the hang watchdog stopped it'}{suspect}"
     if not st.state:
         if st.result is not None:
             return f"ended (exit {st.result.get('exit')}; Slurm has forgotten it since)"

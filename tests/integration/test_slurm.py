@@ -28,7 +28,8 @@ WORKDIR = "/home/debian/slurm-it"  # in the shared home: every node sees what se
 HASH = re.compile(r"^(node\d) \[rank(\d+)\]:final param hash ([0-9a-f]+)$", re.M)
 PLACED = re.compile(r"^(node\d) \[rank(\d+)\]:rank \d+/(\d+) on (node\d)", re.M)
 # what a job leaves on a node if it is not stopped: the ranks, torchrun, srun and the step daemon
-LEFTOVER = re.compile(r"torch\.distributed\.run|ddp_train|sig_train|srun |slurmstepd")
+# (the hang watchdog and the stacks step's collector too)
+LEFTOVER = re.compile(r"torch\.distributed\.run|ddp_train|sig_train|srun |slurmstepd|watch\.py|stacks\.py")
 
 SIG_TRAIN = """import signal, sys, time
 import torch.distributed as dist
@@ -241,6 +242,79 @@ def test_ctrl_c_on_attached_launch_cancels_the_job(cluster: sandbox.Sandbox, pro
     assert proc.returncode == 130, stderr[-2000:]
     assert "cancelled" in stderr and "CANCELLED" in stderr
     assert leftovers(cluster) == {}
+
+
+def run_dir_listing(sb: sandbox.Sandbox, run_id: str) -> list[str]:
+    """The run dir on the shared home, as the login node sees it."""
+    home = WORKDIR.rsplit("/", 1)[0]
+    return sandbox.docker("exec", sb.nodes[0].container, "ls", "-A", f"{home}/.nodeops/runs/{run_id}").split()
+
+
+def test_hang_watchdog_on_slurm_names_the_stuck_rank_and_ends_the_job(cluster: sandbox.Sandbox, project: Path) -> None:
+    """Rank 3 blocks forever at step 3 while the others wait for it in all_reduce: the watchdog
+    beside the training step (on the batch node) takes every rank's stack in an srun --overlap
+    step, names rank 3 and its node, and ends the step; launch exits 124."""
+    t0 = time.monotonic()
+    p = nodeops("launch", str(project / "cluster.yaml"), "--hang-timeout", "20", "--", "ddp_train.py", "--steps",
+                "1000", "--sleep", "0.2", "--hang-rank", "3", "--hang-step", "3", timeout=400)  # fmt: skip
+    took = time.monotonic() - t0
+    err = p.stderr[-4000:]
+    assert p.returncode == 124, p.stdout[-3000:] + err
+    node_of = {r: where for _, r, _, where in PLACED.findall(p.stdout)}
+    assert sorted(node_of) == ["0", "1", "2", "3"], p.stdout[-3000:]
+    assert re.search(r"HUNG: no rank showed progress for \d+s \(hang timeout 20s\)", err), err
+    assert re.search(rf"stuck: rank 3 \({node_of['3']}\): stuck_forever \(ddp_train\.py:\d+\)", err), err
+    assert re.search(r"the others: ranks 0-2 \([^)]*\): all_reduce \(", err), err
+    assert "nodeops: hang: stopping the training step" in p.stdout  # the batch log, streamed
+    run_id = re.search(r"==> run (\S+): sbatch", p.stderr).group(1)  # type: ignore[union-attr]
+    hang = json.loads((Path.home() / ".nodeops" / "jobs" / run_id / "stacks" / "hang.json").read_text())
+    assert sorted(d["rank"] for d in hang["dumps"]) == [0, 1, 2, 3], hang["dumps"]
+    assert {d["host"] for d in hang["dumps"]} == {"node1", "node2", "node3"}
+    assert all(d["method"] in ("py-spy", "signal") for d in hang["dumps"]), hang["dumps"]
+    assert leftovers(cluster) == {}
+    runs = {r["run_id"]: r for r in json.loads(nodeops("runs", "--json").stdout)}
+    assert (runs[run_id]["state"], runs[run_id]["exit_code"]) == ("hung", 124), runs[run_id]
+    st = nodeops("status", run_id)
+    assert st.returncode == 1 and "rank 3 stuck in stuck_forever" in st.stdout, st.stdout + st.stderr
+    methods = sorted({d["method"] for d in hang["dumps"]})
+    print(f"Slurm hang watchdog: launch returned after {took:.0f}s; methods {methods}")
+
+
+def test_stacks_of_a_running_slurm_job_then_of_an_ended_one(cluster: sandbox.Sandbox, project: Path) -> None:
+    p = nodeops("launch", "--detach", str(project / "cluster.yaml"), "--", "ddp_train.py", "--steps", "1000",
+                "--sleep", "1.0")  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    run_id = p.stdout.strip()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            logs = nodeops("logs", run_id).stdout
+            if len(PLACED.findall(logs)) >= 4 and "step 1 " in logs:
+                break
+            time.sleep(1)
+        for method in ("auto", "signal"):  # signal: the no-ptrace path, forced
+            for _ in range(3):  # the ranks spend ~all their time in the same sleep: one group, nearly always
+                s = nodeops("stacks", run_id, "--json", "--method", method)
+                assert s.returncode == 0, s.stdout + s.stderr
+                doc = json.loads(s.stdout)
+                assert sorted(int(r) for r in doc["methods"]) == [0, 1, 2, 3], doc
+                assert {m["host"] for m in doc["methods"].values()} == {"node1", "node2", "node3"}
+                if len(doc["groups"]) == 1:
+                    break
+            assert len(doc["groups"]) == 1, doc["groups"]
+            assert doc["groups"][0]["frames"][0]["func"] == "main", doc["groups"][0]
+            if method == "signal":
+                assert {m["method"] for m in doc["methods"].values()} == {"signal"}
+        human = nodeops("stacks", run_id)
+        assert re.search(r"^ranks 0-3 \(node1, node2, node3\): main \(ddp_train\.py:\d+\)", human.stdout, re.M), (
+            human.stdout + human.stderr
+        )
+        assert not [n for n in run_dir_listing(cluster, run_id) if n.startswith("stacks-out")]
+    finally:
+        nodeops("stop", run_id)
+    assert leftovers(cluster) == {}
+    done = nodeops("stacks", run_id)
+    assert done.returncode == 2 and f"run {run_id} has no live rank" in done.stderr, done.stdout + done.stderr
 
 
 @pytest.mark.slow

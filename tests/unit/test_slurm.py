@@ -126,6 +126,19 @@ def test_exit_code_prefers_the_failing_task_over_srun() -> None:
     assert slurm.describe(poll("")).startswith("unknown to Slurm now")
 
 
+def test_a_job_the_hang_watchdog_ended_is_hung_with_exit_124_unless_it_was_requeued() -> None:
+    report = {"why": "hung: no progress for 21s; rank 2 stuck in stuck_forever (ddp_train.py:33)", "host": "node3"}
+    hung = slurm.Poll("FAILED", "None", "124:0", "node[1-3]", result={"exit": 124, "hang": True, "requeued": False,
+                                                                       "hang_report": report})  # fmt: skip
+    assert slurm.outcome(hung) == "hung" and slurm.exit_code(hung) == 124
+    assert slurm.describe(hung) == f"FAILED: {report['why']}; suspect node node3"
+    forgotten = slurm.Poll("", "", "", "", result=hung.result)
+    assert slurm.outcome(forgotten) == "hung" and slurm.describe(forgotten).startswith("ended: hung: ")
+    requeued = slurm.Poll("PENDING", "BeginTime", "0:0", "", result={**(hung.result or {}), "requeued": True})
+    assert slurm.hang_of(requeued) is None and slurm.describe(requeued) == "PENDING (BeginTime)"
+    assert slurm.outcome(slurm.Poll("FAILED", "None", "1:0", "", result={"exit": 1, "hang": False})) == "failed"
+
+
 @pytest.fixture
 def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A home and stand-ins for sbatch/squeue/scontrol/scancel that record their argv as JSON."""

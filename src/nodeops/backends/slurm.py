@@ -17,11 +17,14 @@ from nodeops import check, check_rules, failures, probe, slurm, store
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import deferred_interrupts, ignoring_interrupts, sigterm_as_interrupt
+from nodeops.launch import slurm_watch as W
+from nodeops.launch import stacks as S
 from nodeops.quoting import sh_word
 from nodeops.render import ssh_config
 from nodeops.spec import LoadedSpec, Node, ResourceSpec
 from nodeops.transport import last_line
 
+STACKS_STEP = 60  # seconds `nodeops stacks` gives its srun step
 NO_LOG_WARN = 20.0  # seconds RUNNING without a batch log before `follow` says the run dir may not be shared
 
 # A Slurm job's state, as `nodeops runs` names states
@@ -121,7 +124,8 @@ def logs_tail(job: store.Job) -> dict[str, list[str]]:
             for name, (_, _, text) in st.files.items()}  # fmt: skip
 
 
-def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: tuple[str, int] | None = None) -> None:
+def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: tuple[str, int] | None = None,
+                 first_failure: dict[str, Any] | None = None) -> None:  # fmt: skip
     """The finished job's verdict, kept in its record (``result.json``, as for an ssh run).
     Not when Slurm forgot the job with no final state or result seen (`runs` says gone), nor
     when the record was removed meanwhile (`clean` in another shell)."""
@@ -129,11 +133,40 @@ def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: tuple[str, in
         return
     outcome = slurm.outcome(st)
     v = store.Verdict(outcome, f"Slurm job {slurm_id(job)}: {slurm.describe(st)}", code,
-                      first_failure=None if first is None else {"host": first[0], "code": first[1],
-                                                                "why": f"exit code {first[1]}"},
+                      first_failure=first_failure if first is None else {"host": first[0], "code": first[1],
+                                                                         "why": f"exit code {first[1]}"},
                       raw={"state": st.state, "exit": st.exit, "result": st.result}, backend="slurm")  # fmt: skip
     with contextlib.suppress(OSError):
         v.save(job.dir)
+
+
+def report_hang(job: store.Job, st: slurm.Poll, hang: dict[str, Any], sink: Sink) -> None:
+    """What the hang watchdog found (as over ssh), its verdict kept here, and hang.json (every
+    rank's stack) copied from the run dir into the run's record."""
+    host = str(hang.get("host") or "")
+    first = {"host": host or (job.hosts[0] if job.hosts else ""), "code": None, "kind": "hang",
+             "why": str(hang.get("why") or "hung")}  # fmt: skip
+    keep_verdict(job, st, failures.HUNG_EXIT, first_failure=first)
+    where = f"~/.nodeops/runs/{job.run_id}/{W.HANG} on {login_for(job).where}"
+    if not hang:
+        sink.note(f"==> run {job.run_id} HUNG: the hang watchdog stopped it, but its report ({where}) "
+                  "could not be read")  # fmt: skip
+        return
+    sink.note(f"==> run {job.run_id} HUNG: no rank showed progress for {hang.get('idle_seconds', 0):.0f}s "
+              f"(hang timeout {hang.get('timeout', 0):.0f}s); every rank's stack was taken")  # fmt: skip
+    for line in S.report_lines(hang):
+        sink.note(line)
+    dest = job.dir / "stacks" / W.HANG
+    try:
+        p = login_for(job).run(f"cat {slurm.run_dir_sh(job.run_id)}/{W.HANG}", timeout=120)
+    except slurm.SlurmError:
+        p = None
+    if p is not None and p.returncode == 0 and p.stdout.strip():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(p.stdout)
+        sink.note(f"    every rank's stack: {dest}")
+    else:
+        sink.note(f"    every rank's stack: {where} (could not copy it here)")
 
 
 def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
@@ -158,6 +191,11 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
         hosts = ", ".join(dict.fromkeys(str(r.get("host")) for r in pre_rows or [])) or "a node"
         raise ExitWith(EXIT_FAILURE, f"==> run {job.run_id}: preflight failed on {hosts} in job {slurm_id(job)}'s "
                        f"first step; no training rank was started (skip with --no-check)")  # fmt: skip
+    hang = slurm.hang_of(st)
+    if hang is not None:
+        report_hang(job, st, hang, sink)
+        raise ExitWith(failures.HUNG_EXIT, f"==> the hang watchdog stopped job {slurm_id(job)}'s training step "
+                       f"(srun passed SIGTERM to torchrun on every node): {slurm.describe(st)}")  # fmt: skip
     tails = logs_tail(job)
     batch = tails.pop("batch", [])
     code = slurm.exit_code(st, batch, tails)
@@ -215,6 +253,90 @@ def preflight_input(loaded: LoadedSpec, script: str | None) -> str:
     })  # fmt: skip
 
 
+def run_files(loaded: LoadedSpec) -> dict[str, str]:
+    """What `nodeops stacks` and the hang watchdog need in the run dir (the batch script uses
+    each only where it is there): stacks.py, the ranks' stack hook, and with a hang timeout the
+    watchdog and its config."""
+    files = {"stacks.py": Path(S.__file__).read_text(), f"{S.HOOK_DIR}/sitecustomize.py": S.HOOK}
+    timeout = loaded.spec.launch.hang_timeout
+    if timeout:
+        files["watch.py"] = Path(W.__file__).read_text()
+        files[W.CONFIG] = json.dumps({"hang_timeout": timeout})
+    return files
+
+
+def take_stacks(job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Every rank's stack of a running job: stacks.py in one ``srun --overlap`` task per node of
+    the job (from the login node), each node's answer in a file of the shared run dir, run by the
+    job's own python3 (the login shell's may be older than 3.8). Every node of the job that gave
+    no answer is named, with srun's exit and last message. srun's stdin is /dev/null: it would
+    otherwise forward the rest of this ``bash -s`` script to a task. The answers are read into
+    a variable and the files removed before anything is printed, so a caller gone early (Ctrl-C)
+    leaves no file behind."""
+    d, jid = slurm.run_dir_sh(job.run_id), sh_word(slurm_id(job))
+    args = " ".join(sh_word(a) for a in ["--method", method] + (["--native"] if native else []))
+    none_mark = sh_word(S.NONE_MARK)
+    script = (
+        "trap '' PIPE\n"
+        f"d={d}\n"
+        f'test -r "$d/stacks.py" || {{ echo {none_mark}"no stacks.py in its run dir (not started by '
+        f'nodeops launch?)"; exit 0; }}\n'
+        f"if ! row=$(squeue -h -j {jid} -o '%T %D %N' 2>&1); then\n"
+        f'  echo {none_mark}"squeue failed on the login node: $(printf %s "$row" | tail -n 1)"; exit 0\nfi\n'
+        'read -r state count nodelist <<<"$row" || true\n'
+        f'[ "${{state:-}}" = RUNNING ] || {{ echo {none_mark}"Slurm job "{jid}" is ${{state:-no longer known to '
+        f'Slurm}}"; exit 0; }}\n'
+        f'py=$(cat "$d/{slurm.PYTHON_PATH}" 2>/dev/null) || py=python3\n'
+        'out="$d/stacks-out.$$"\nmkdir -p "$out"\n'
+        f'timeout --kill-after=10 {STACKS_STEP} srun --jobid={jid} --overlap --nodes="$count" --ntasks-per-node=1 '
+        '--kill-on-bad-exit=0 --job-name=nodeops-stacks --output="$out/%N.out" '
+        f'"$py" "$d/stacks.py" "$d" {args} </dev/null >/dev/null 2>"$out.err"\n'
+        "rc=$?\n"
+        'res=$(echo "@@nodes $(scontrol show hostnames "$nodelist" | tr "\\n" " ")"\n'
+        '  for f in "$out"/*.out; do [ -e "$f" ] || continue; n=${f##*/}; echo "@@node ${n%.out}"; cat "$f"; done\n'
+        '  echo "@@srun $rc $(grep -v "^$" "$out.err" | tail -n 1)")\n'
+        'rm -rf "$out" "$out.err"\n'
+        'printf "%s\\n" "$res"\n'
+    )
+    where = f"job {slurm_id(job)}"
+    try:
+        p = login_for(job).run(script, timeout=STACKS_STEP + 30)
+    except slurm.SlurmError as e:
+        return [], {where: str(e)}
+    if p.returncode != 0:
+        return [], {where: f"{login_for(job).where}: {last_line(p.stderr, f'exit {p.returncode}')}"}
+    return parse_stacks(p.stdout, where)
+
+
+def parse_stacks(text: str, where: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """take_stacks' answer: the dumps (each with its node), and node -> why none came from it
+    (every node of the job that printed neither a stack nor why it has none is named)."""
+    dumps: list[dict[str, Any]] = []
+    none: dict[str, str] = {}
+    node, answered, nodes, srun = where, set(), [], ""
+    for line in text.splitlines():
+        if line.startswith("@@nodes "):
+            nodes = line.split()[1:]
+        elif line.startswith("@@node "):
+            node = line.split(" ", 1)[1]
+        elif line.startswith(S.MARK):
+            with contextlib.suppress(ValueError):
+                dumps.append(dict(json.loads(line[len(S.MARK) :]), host=node))
+                answered.add(node)
+        elif line.startswith(S.NONE_MARK):
+            none[node] = line[len(S.NONE_MARK) :]
+            answered.add(node)
+        elif line.startswith("@@srun "):
+            rc, _, err = line[len("@@srun ") :].partition(" ")
+            srun = "" if rc == "0" else f"the stacks step (srun --overlap) exited {rc}: {err or 'no message'}"
+    for n in nodes:
+        if n not in answered:
+            none[n] = f"no answer ({srun or 'its task printed nothing'})"
+    if not nodes and srun and not dumps:
+        none.setdefault(where, srun)
+    return dumps, {h: w for h, w in none.items() if not any(d["host"] == h for d in dumps)}
+
+
 def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> tuple[ResourceSpec, dict[str, Any]]:
     """The probe in one srun step on the login node, one task per node Slurm gives; returns a
     spec listing those nodes (for :func:`evaluate`) and the probe's document. No port rows: a
@@ -268,7 +390,7 @@ class SlurmBackend(Backend):
     name: ClassVar[str] = "slurm"
     capabilities: ClassVar[Capabilities] = Capabilities(
         runners=frozenset({"torchrun"}), detach=True, via_ansible=False,
-        script=False, fabric=False, sync=True, preflight=False,
+        script=False, fabric=False, sync=True, preflight=False, hang=True, stacks=True,
     )  # fmt: skip
     # On Slurm, setup prepares the shared filesystem through the login node: the Python env, the
     # workdir and the env file. The ssh mesh and DeepSpeed's hostfile are for ssh launches.
@@ -302,6 +424,11 @@ class SlurmBackend(Backend):
         out.out(f"#   sbatch --parsable --output=RUN_DIR/{slurm.BATCH_LOG} RUN_DIR/{slurm.SCRIPT} "
                 + " ".join(sh_word(a) for a in request.argv))  # fmt: skip
         out.out(slurm.batch_script(loaded).removesuffix("\n"))
+        if loaded.spec.launch.hang_timeout:
+            out.note(
+                f"==> the hang watchdog would run beside the training step on the batch node: no progress for "
+                f"{loaded.spec.launch.hang_timeout:.0f}s -> every rank's stack, the stuck rank named, exit 124"
+            )
         if request.check:
             out.note(f"==> the job's first step would be the preflight: RUN_DIR/{slurm.PREFLIGHT_IN} holds the probe "
                      "of `nodeops check` and its rules (python env, runner, workdir, script, parity); "
@@ -320,7 +447,9 @@ class SlurmBackend(Backend):
         script = slurm.batch_script(loaded)
         (local / slurm.SCRIPT).write_text(script)
         # the preflight runs as the job's first step (the same probe and rules as `check`)
-        files = {slurm.PREFLIGHT_IN: preflight_input(loaded, request.script_file())} if request.check else {}
+        files = run_files(loaded)
+        if request.check:
+            files[slurm.PREFLIGHT_IN] = preflight_input(loaded, request.script_file())
         t0 = time.monotonic()
         nodes = loaded.spec.slurm.nodes if loaded.spec.slurm else 0
         pre = "its first step the preflight" if request.check else "no preflight (--no-check)"
@@ -383,6 +512,9 @@ class SlurmBackend(Backend):
             raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: job {slurm_id(job)} not confirmed stopped ({how})")
         sink.note(f"run {job.run_id}: job {slurm_id(job)} {how} in {time.monotonic() - t:.1f}s")
 
+    def stacks(self, job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        return take_stacks(job, native, method)
+
     def run_state(self, job: store.Job) -> RunState:
         """A Slurm run's state from squeue/scontrol on its login node (or the last one seen there)."""
         try:
@@ -393,15 +525,15 @@ class SlurmBackend(Backend):
             return RunState("unreachable", f"Slurm job {slurm_id(job)}: {st.error}")
         if st.forgotten and st.result is not None and not st.result.get("requeued"):
             # Slurm forgot it (MinJobAge); the batch script's own result says how it ended
-            code = st.result.get("exit")
-            return RunState("ok" if code == 0 else "failed", f"Slurm job {slurm_id(job)}: {slurm.describe(st)}",
+            return RunState(slurm.outcome(st), f"Slurm job {slurm_id(job)}: {slurm.describe(st)}",
                             slurm.exit_code(st), True)  # fmt: skip
         state = st.state or (last_state_of(job) if last_state_of(job) in slurm.TERMINAL else "")
         if not state:  # forgotten, with neither a final state seen nor a result: it ended, how is lost
             return RunState("gone", f"Slurm job {slurm_id(job)}: ended; Slurm has forgotten how (no result.json)")
-        out = RunState(_RUN_STATES.get(state, "failed"),
+        final = slurm.outcome(dataclasses.replace(st, state=state)) if state in slurm.TERMINAL else ""
+        out = RunState(final or _RUN_STATES.get(state, "failed"),
                        f"Slurm job {slurm_id(job)}: {slurm.describe(st) if st.state else state}")  # fmt: skip
-        if out.state in ("ok", "failed", "stopped"):
+        if out.state in ("ok", "failed", "stopped", "hung"):
             out.exit_code = slurm.exit_code(dataclasses.replace(st, state=state))
             out.verdict = True
         return out

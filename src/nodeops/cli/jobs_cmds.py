@@ -72,7 +72,8 @@ def stacks(
 
     Ranks with the same stack are grouped; the ranks whose stack differs from the majority come
     first (in a hang, those are the stuck ones). Each rank's raw dump is saved in the run's record
-    here, under stacks/<time>/. Exit 2 when the run has no live rank (it has ended).
+    here, under stacks/<time>/. Exit 2 when the run has no live rank (it has ended). On Slurm
+    the stacks are taken in one `srun --overlap` step beside the job's training step.
     """
 
     with errors():

@@ -1,0 +1,174 @@
+"""nodeops on Slurm: the hang watchdog (stdlib only, Python 3.8+), shipped into the run dir as
+``watch.py`` beside ``stacks.py``; the batch script starts it on the batch node beside the
+training step when the launch asked for a hang timeout (``watch.json`` in the run dir):
+
+    python3 watch.py RUN_DIR SRUN_PID NODE...
+
+Progress is what the ssh watchdog counts: a node's log (``logs/NODE.log``, srun's ``--output``)
+grew, or the script touched ``$NODEOPS_PROGRESS_FILE`` (``RUN_DIR/progress``). After none for
+the timeout: every rank's stack, from one ``srun --overlap`` task per node running stacks.py
+(each node's answer in ``hang/NODE.out``, so no line passes through srun's 1,024-byte messages);
+the verdict and every dump in ``hang.json`` (stacks.judge, as the ssh supervisor judges); a
+``nodeops: hang:`` line per finding in the batch log; then SIGTERM to the training step's srun
+(srun passes it to torchrun on every node, which ends its ranks), SIGKILL after GRACE seconds.
+It ends when the training step does, or on SIGTERM (the batch script's, once srun returned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+if __package__:
+    from . import stacks as S
+else:  # shipped: stacks.py lies beside this file
+    import stacks as S  # type: ignore[import-not-found,no-redef]
+
+CONFIG = "watch.json"  # in the run dir: {"hang_timeout": seconds}; written by launch, read here
+HANG = "hang.json"  # the verdict and every rank's stack (protocol.HANG over ssh)
+OUT_DIR = "hang"  # each node's stacks.py output: hang/NODE.out
+STACKS_WAIT = 40.0  # seconds the stacks step may take (the supervisor's STACKS_WAIT)
+GRACE = 60.0  # seconds between SIGTERM and SIGKILL to the training step's srun
+TICK = 1.0
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs: it exists and is not a zombie (ended, not yet reaped by its parent)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def look(run_dir: str) -> tuple[tuple[str, int], ...]:
+    """What progress changes: each node log's size, and the progress file's mtime."""
+    seen = []
+    try:
+        with os.scandir(os.path.join(run_dir, "logs")) as it:
+            seen += [(e.name, e.stat().st_size) for e in it if e.name.endswith(".log")]
+    except OSError:
+        pass
+    with contextlib.suppress(OSError):
+        seen.append(("progress", int(os.stat(os.path.join(run_dir, "progress")).st_mtime_ns)))
+    return tuple(sorted(seen))
+
+
+def read_answers(out_dir: str) -> tuple[list[dict[str, Any]], set[str]]:
+    """The dumps in each node's ``NODE.out`` (each with its ``host``), and the nodes that answered."""
+    dumps, answered = [], set()
+    try:
+        names = sorted(os.listdir(out_dir))
+    except OSError:
+        return [], set()
+    for name in names:
+        if not name.endswith(".out"):
+            continue
+        node = name[: -len(".out")]
+        try:
+            with open(os.path.join(out_dir, name), errors="replace") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            if line.startswith(S.MARK):
+                try:
+                    dumps.append(dict(json.loads(line[len(S.MARK) :]), host=node))
+                except ValueError:
+                    continue
+                answered.add(node)
+            elif line.startswith(S.NONE_MARK):
+                answered.add(node)
+    return dumps, answered
+
+
+def take_stacks(run_dir: str, nodes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every rank's stack, one srun task per node of the allocation beside the training step."""
+    out_dir = os.path.join(run_dir, OUT_DIR)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(out_dir):  # this watchdog's own files from an earlier attempt
+        if name.endswith(".out"):
+            os.unlink(os.path.join(out_dir, name))
+    count = len(nodes) or int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
+    argv = ["srun", "--overlap", f"--nodes={count}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
+            f"--output={out_dir}/%N.out", "python3", os.path.join(run_dir, "stacks.py"), run_dir]  # fmt: skip
+    try:
+        subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                       timeout=STACKS_WAIT, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as e:
+        say(f"the stacks step did not finish: {e}")
+    dumps, answered = read_answers(out_dir)
+    return dumps, [n for n in nodes if n not in answered]
+
+
+def say(text: str) -> None:
+    sys.stdout.write(f"nodeops: hang: {text}\n")
+    sys.stdout.flush()
+
+
+def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: float) -> None:
+    say(f"no progress for {idle:.0f}s (hang timeout {timeout:.0f}s): taking every rank's stack")
+    dumps, silent = take_stacks(run_dir, nodes)
+    report, why, host = S.judge(dumps, timeout, idle, silent, HANG)
+    report["host"] = host
+    tmp = os.path.join(run_dir, HANG + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({**report, "why": why, "dumps": dumps}, f, indent=1)
+    os.replace(tmp, os.path.join(run_dir, HANG))
+    say(why)
+    for line in S.report_lines(report):
+        say(line.strip())
+    say(f"stopping the training step (SIGTERM to srun {srun_pid}; SIGKILL after {GRACE:.0f}s)")
+    try:
+        os.kill(srun_pid, signal.SIGTERM)
+    except OSError:
+        return
+    deadline = time.monotonic() + GRACE
+    while alive(srun_pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if alive(srun_pid):
+        say(f"srun {srun_pid} still runs after {GRACE:.0f}s: SIGKILL (the job's end stops its tasks)")
+        with contextlib.suppress(OSError):
+            os.kill(srun_pid, signal.SIGKILL)
+
+
+def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
+    seen = look(run_dir)
+    last = time.monotonic()
+    while alive(srun_pid):
+        time.sleep(TICK)
+        now = look(run_dir)
+        if now != seen:
+            seen, last = now, time.monotonic()
+        elif time.monotonic() - last > timeout:
+            fire(run_dir, srun_pid, nodes, timeout, time.monotonic() - last)
+            return 0
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3 or not argv[2].isdigit():
+        sys.stderr.write("usage: watch.py RUN_DIR SRUN_PID NODE...\n")
+        return 2
+    # the batch script's SIGTERM (its step ended): exit, ending a stacks srun under way too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    run_dir = os.path.abspath(argv[1])
+    try:
+        with open(os.path.join(run_dir, CONFIG)) as f:
+            timeout = float(json.load(f)["hang_timeout"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.stderr.write(f"nodeops: hang watchdog off: cannot read {CONFIG}: {e}\n")
+        return 0
+    if timeout <= 0:
+        return 0
+    return watch(run_dir, int(argv[2]), argv[3:], timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
