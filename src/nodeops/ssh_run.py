@@ -215,16 +215,7 @@ def take_stacks(job: Job, native: bool = False, method: str = "auto") -> tuple[l
             return [], "unreachable: no answer within 90s"
         if p.returncode != 0:
             return [], "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
-        dumps, why = [], ""
-        for line in p.stdout.splitlines():
-            if line.startswith(S.MARK):
-                try:
-                    dumps.append(dict(json.loads(line[len(S.MARK) :]), host=host))
-                except ValueError:
-                    why = "an unreadable answer"
-            elif line.startswith(S.NONE_MARK):
-                why = line[len(S.NONE_MARK) :]
-        return dumps, why
+        return S.read_answer(p.stdout, host)
 
     got = fan_out(job.kill_hosts, one)
     return [d for ds, _ in got.values() for d in ds], {h: why for h, (ds, why) in got.items() if not ds}

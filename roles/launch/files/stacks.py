@@ -377,6 +377,32 @@ def judge(dumps: list[dict[str, Any]], timeout: float, idle: float, silent_hosts
     return report, why, culprit["hosts"][0] if culprit["hosts"] else ""
 
 
+UNREADABLE = "an unreadable answer"
+
+
+def read_answer(text: str, host: str) -> tuple[list[dict[str, Any]], str]:
+    """One host's answer to a stacks request (``MARK`` lines, or ``NONE_MARK`` and why): its
+    dumps, each with its ``host``, and why none came ('' when it said nothing; UNREADABLE when a
+    dump could not be read and nothing said why)."""
+    dumps: list[dict[str, Any]] = []
+    why = ""
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            try:
+                dumps.append(dict(json.loads(line[len(MARK) :]), host=host))
+            except ValueError:
+                why = why or UNREADABLE
+        elif line.startswith(NONE_MARK):
+            why = line[len(NONE_MARK) :]
+    return dumps, why
+
+
+def hung_line(run_id: str, hang: dict[str, Any]) -> str:
+    """The first line the user reads of a run the hang watchdog stopped (before report_lines)."""
+    return (f"==> run {run_id} HUNG: no rank showed progress for {hang.get('idle_seconds', 0):.0f}s "
+            f"(hang timeout {hang.get('timeout', 0):.0f}s); every rank's stack was taken")  # fmt: skip
+
+
 def report_lines(hang: dict[str, Any]) -> list[str]:
     """What the user reads of a hang (after the HUNG line): the stuck ranks, then the others."""
     out = []

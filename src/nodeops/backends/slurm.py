@@ -27,8 +27,8 @@ from nodeops.transport import last_line
 STACKS_STEP = 60  # seconds `nodeops stacks` gives its srun step
 NO_LOG_WARN = 20.0  # seconds RUNNING without a batch log before `follow` says the run dir may not be shared
 
-# A Slurm job's state, as `nodeops runs` names states
-_RUN_STATES = {"COMPLETED": "ok", "CANCELLED": "stopped", **{s: "running" for s in slurm.LIVE}}
+# A live Slurm job's state, as `nodeops runs` names states
+_RUN_STATES = {s: "running" for s in slurm.LIVE}  # a final state's name is slurm.outcome's
 
 
 def login_of(loaded: LoadedSpec, cfg: Path) -> slurm.Login:
@@ -124,8 +124,7 @@ def logs_tail(job: store.Job) -> dict[str, list[str]]:
             for name, (_, _, text) in st.files.items()}  # fmt: skip
 
 
-def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: tuple[str, int] | None = None,
-                 first_failure: dict[str, Any] | None = None) -> None:  # fmt: skip
+def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: dict[str, Any] | None = None) -> None:
     """The finished job's verdict, kept in its record (``result.json``, as for an ssh run).
     Not when Slurm forgot the job with no final state or result seen (`runs` says gone), nor
     when the record was removed meanwhile (`clean` in another shell)."""
@@ -133,8 +132,7 @@ def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: tuple[str, in
         return
     outcome = slurm.outcome(st)
     v = store.Verdict(outcome, f"Slurm job {slurm_id(job)}: {slurm.describe(st)}", code,
-                      first_failure=first_failure if first is None else {"host": first[0], "code": first[1],
-                                                                         "why": f"exit code {first[1]}"},
+                      first_failure=first,
                       raw={"state": st.state, "exit": st.exit, "result": st.result}, backend="slurm")  # fmt: skip
     with contextlib.suppress(OSError):
         v.save(job.dir)
@@ -146,14 +144,13 @@ def report_hang(job: store.Job, st: slurm.Poll, hang: dict[str, Any], sink: Sink
     host = str(hang.get("host") or "")
     first = {"host": host or (job.hosts[0] if job.hosts else ""), "code": None, "kind": "hang",
              "why": str(hang.get("why") or "hung")}  # fmt: skip
-    keep_verdict(job, st, failures.HUNG_EXIT, first_failure=first)
+    keep_verdict(job, st, failures.HUNG_EXIT, first)
     where = f"~/.nodeops/runs/{job.run_id}/{W.HANG} on {login_for(job).where}"
     if not hang:
         sink.note(f"==> run {job.run_id} HUNG: the hang watchdog stopped it, but its report ({where}) "
                   "could not be read")  # fmt: skip
         return
-    sink.note(f"==> run {job.run_id} HUNG: no rank showed progress for {hang.get('idle_seconds', 0):.0f}s "
-              f"(hang timeout {hang.get('timeout', 0):.0f}s); every rank's stack was taken")  # fmt: skip
+    sink.note(S.hung_line(job.run_id, hang))
     for line in S.report_lines(hang):
         sink.note(line)
     dest = job.dir / "stacks" / W.HANG
@@ -200,7 +197,8 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     batch = tails.pop("batch", [])
     code = slurm.exit_code(st, batch, tails)
     first = slurm.first_failure(batch, tails)
-    keep_verdict(job, st, code, first)
+    keep_verdict(job, st, code, None if first is None else {"host": first[0], "code": first[1],
+                                                            "why": f"exit code {first[1]}"})  # fmt: skip
     sig = (st.result or {}).get("signal")
     if sig:
         raise ExitWith(code, f"==> run {job.run_id}: job {slurm_id(job)} got {sig} before its time limit; it was "
@@ -311,30 +309,33 @@ def take_stacks(job: store.Job, native: bool, method: str) -> tuple[list[dict[st
 def parse_stacks(text: str, where: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
     """take_stacks' answer: the dumps (each with its node), and node -> why none came from it
     (every node of the job that printed neither a stack nor why it has none is named)."""
-    dumps: list[dict[str, Any]] = []
-    none: dict[str, str] = {}
-    node, answered, nodes, srun = where, set(), [], ""
+    nodes: list[str] = []
+    srun = ""
+    chunks: dict[str, list[str]] = {}
+    node = where
     for line in text.splitlines():
         if line.startswith("@@nodes "):
             nodes = line.split()[1:]
         elif line.startswith("@@node "):
             node = line.split(" ", 1)[1]
-        elif line.startswith(S.MARK):
-            with contextlib.suppress(ValueError):
-                dumps.append(dict(json.loads(line[len(S.MARK) :]), host=node))
-                answered.add(node)
-        elif line.startswith(S.NONE_MARK):
-            none[node] = line[len(S.NONE_MARK) :]
-            answered.add(node)
         elif line.startswith("@@srun "):
             rc, _, err = line[len("@@srun ") :].partition(" ")
             srun = "" if rc == "0" else f"the stacks step (srun --overlap) exited {rc}: {err or 'no message'}"
+        else:
+            chunks.setdefault(node, []).append(line)
+    dumps: list[dict[str, Any]] = []
+    none: dict[str, str] = {}
+    for n, lines in chunks.items():
+        got, why = S.read_answer("\n".join(lines), n)
+        dumps += got
+        if not got and why:
+            none[n] = why
     for n in nodes:
-        if n not in answered:
+        if n not in none and not any(d["host"] == n for d in dumps):
             none[n] = f"no answer ({srun or 'its task printed nothing'})"
     if not nodes and srun and not dumps:
         none.setdefault(where, srun)
-    return dumps, {h: w for h, w in none.items() if not any(d["host"] == h for d in dumps)}
+    return dumps, none
 
 
 def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -> tuple[ResourceSpec, dict[str, Any]]:

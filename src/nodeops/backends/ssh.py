@@ -190,8 +190,7 @@ def report_attempts(result: dict[str, Any], sink: Sink) -> None:
 def report_hang(job: store.Job, hang: dict[str, Any], sink: Sink) -> None:
     """What the hang watchdog found: the ranks whose stack differs from the others', then the
     others; every rank's stack (hang.json) is copied from the chief into the run's record here."""
-    sink.note(f"==> run {job.run_id} HUNG: no rank showed progress for {hang.get('idle_seconds', 0):.0f}s "
-              f"(hang timeout {hang.get('timeout', 0):.0f}s); every rank's stack was taken")  # fmt: skip
+    sink.note(S.hung_line(job.run_id, hang))
     for line in S.report_lines(hang):
         sink.note(line)
     dest = job.dir / "stacks" / P.HANG

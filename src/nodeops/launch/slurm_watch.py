@@ -61,30 +61,23 @@ def look(run_dir: str) -> tuple[tuple[str, int], ...]:
 
 
 def read_answers(out_dir: str) -> tuple[list[dict[str, Any]], set[str]]:
-    """The dumps in each node's ``NODE.out`` (each with its ``host``), and the nodes that answered."""
+    """The dumps in each node's ``NODE.out`` (each with its ``host``), and the nodes that answered
+    (a stack, or why they have none)."""
     dumps, answered = [], set()
     try:
-        names = sorted(os.listdir(out_dir))
+        names = sorted(n for n in os.listdir(out_dir) if n.endswith(".out"))
     except OSError:
         return [], set()
     for name in names:
-        if not name.endswith(".out"):
-            continue
         node = name[: -len(".out")]
         try:
             with open(os.path.join(out_dir, name), errors="replace") as f:
-                lines = f.read().splitlines()
+                got, why = S.read_answer(f.read(), node)
         except OSError:
             continue
-        for line in lines:
-            if line.startswith(S.MARK):
-                try:
-                    dumps.append(dict(json.loads(line[len(S.MARK) :]), host=node))
-                except ValueError:
-                    continue
-                answered.add(node)
-            elif line.startswith(S.NONE_MARK):
-                answered.add(node)
+        dumps += got
+        if got or why not in ("", S.UNREADABLE):
+            answered.add(node)
     return dumps, answered
 
 
