@@ -33,10 +33,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nodeops.errors import NodeopsError
 from nodeops.fabric_probe import MARKER, bus_factor, format_rounds, human_bytes, node_best
 
 PROGRESS = "fabric: "  # the probe's own lines start so (after torchrun's [rankN]: prefix)
 DEFAULT_SPREAD = 0.7
+
+
+class FabricError(NodeopsError):
+    """The fabric measurement did not produce a result (the run failed, or said nothing)."""
 
 
 def algbw_gbps(nbytes: float, seconds: float) -> float:
@@ -316,10 +321,13 @@ def pair_rounds(n: int) -> list[list[tuple[int, int]]]:
     return [[p] for p in pairs] if n <= SEQUENTIAL_MAX_NODES else schedule(pairs)
 
 
-def probe_argv(names: Sequence[str], seconds: float, spread: float, script: str, backend: str) -> list[str]:
-    rounds = pair_rounds(len(names))
-    argv = [script, "--seconds", f"{seconds:g}", "--spread", f"{spread:g}", "--backend", backend,
-            "--nodes", ",".join(names)]  # fmt: skip
-    if len(names) <= SEQUENTIAL_MAX_NODES:
+def probe_args(names: Sequence[str] | int, seconds: float, spread: float, backend: str) -> list[str]:
+    """The probe's arguments: ``names``, the nodes in node-rank order, or how many there are
+    when the scheduler names them once the job runs (Slurm)."""
+    n = names if isinstance(names, int) else len(names)
+    rounds = pair_rounds(n)
+    argv = ["--seconds", f"{seconds:g}", "--spread", f"{spread:g}", "--backend", backend,
+            *(["--count", str(names)] if isinstance(names, int) else ["--nodes", ",".join(names)])]  # fmt: skip
+    if n <= SEQUENTIAL_MAX_NODES:
         argv.append("--sequential")
     return argv + (["--rounds", format_rounds(rounds)] if rounds else [])

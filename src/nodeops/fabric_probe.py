@@ -115,7 +115,9 @@ def confirm_rounds(best: dict[int, float], spread: float, sequential: bool = Fal
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=40.0, help="the whole measurement's budget")
-    ap.add_argument("--nodes", required=True, help="the spec's node names, comma-separated, in node-rank order")
+    nodes = ap.add_mutually_exclusive_group(required=True)
+    nodes.add_argument("--nodes", help="the spec's node names, comma-separated, in node-rank order")
+    nodes.add_argument("--count", type=int, help="how many nodes, named as the scheduler names them (Slurm)")
     ap.add_argument("--rounds", default="", help="pair rounds: 'a-b,c-d;b-c,d-a' (node indexes)")
     ap.add_argument("--spread", type=float, default=0.7, help="below this share of the best node: a suspect")
     ap.add_argument("--backend", choices=("nccl", "gloo"), required=True, help="chosen from the spec, for every rank")
@@ -125,8 +127,11 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    names = args.nodes.split(",")
-    node = int(os.environ["NODE_RANK"])  # job.sh's: the spec's node rank, whatever the rendezvous
+    # ssh: job.sh's NODE_RANK, the spec's node rank whatever the rendezvous. Slurm: the node's
+    # index in the allocation, and its name is Slurm's (the nodes are known once the job runs).
+    node = int(os.environ.get("NODE_RANK") or os.environ["SLURM_NODEID"])
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    names = args.nodes.split(",") if args.nodes else [host if i == node else f"node{i}" for i in range(args.count)]
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     backend = args.backend
     gpu = backend == "nccl"
@@ -190,13 +195,15 @@ def main() -> int:
 
     # Which ranks live on which node (the rendezvous may order nodes differently from the spec).
     env = {k: os.environ[k] for k in ENV_SHOWN if k in os.environ}
-    where = gather_text(json.dumps({"node": node, "host": socket.gethostname(), "env": env}))
+    where = gather_text(json.dumps({"node": node, "host": host, "env": env}))
     ranks_of: dict[int, list[int]] = {}
     env_of: dict[int, dict[str, str]] = {}
     for r, text in enumerate(where):
         w = json.loads(text)
         ranks_of.setdefault(int(w["node"]), []).append(r)
         env_of.setdefault(int(w["node"]), w["env"])
+        if not args.nodes and 0 <= int(w["node"]) < len(names):
+            names[int(w["node"])] = w["host"]  # the names every rank now agrees on
     if rank == 0:
         say(f"{backend} on {world} rank(s) over {len(ranks_of)} node(s); budget {args.seconds:.0f}s")
 

@@ -41,6 +41,7 @@ BATCH_LOG = "batch.log"
 SCRIPT = "job.sbatch"
 PREFLIGHT_IN = "preflight.in"  # the preflight step's input (launch writes it unless --no-check)
 PREFLIGHT_OUT = "preflight.json"  # every row of the preflight step (check_rules.gate writes it)
+RUN_ENV = "run.env"  # in the run dir: this run's own env (`export K=V` lines), sourced after the spec's env file
 PYTHON_PATH = "python3.path"  # in the run dir: the job's python3 (its activated env's), for `nodeops stacks`
 PREFLIGHT_TIMEOUT = 300  # seconds the preflight step may take before the job ends as failed
 # Job states after which nothing of the job runs any more (squeue's long names).
@@ -126,8 +127,13 @@ def batch_script(loaded: LoadedSpec) -> str:
         port_base=PORT_BASE, port_span=PORT_SPAN, restart_mark=RESTART_MARK,
         preflight_in=PREFLIGHT_IN, preflight_out=PREFLIGHT_OUT, preflight_timeout=PREFLIGHT_TIMEOUT,
         probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),
-        watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH,
+        watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH, run_env=RUN_ENV,
     ))  # fmt: skip
+
+
+def env_lines(env: Mapping[str, str]) -> str:
+    """A run's own env as the batch script sources it (``RUN_ENV``)."""
+    return "".join(f"export {k}={sh_word(v)}\n" for k, v in sorted(env.items()))
 
 
 # --------------------------------------------------------------------------- the login node
@@ -159,13 +165,17 @@ def run_dir_sh(run_id: str) -> str:
 
 
 def submit(login: Login, run_id: str, script: str, user_argv: Sequence[str],
-           files: Mapping[str, str] | None = None) -> str:  # fmt: skip
+           files: Mapping[str, str] | None = None, in_run_dir: bool = False) -> str:  # fmt: skip
     """Write the run dir, the batch script and ``files`` (name -> text, a name may hold one dir:
     the preflight's input, the stacks and hang-watchdog files) on
     the login node and ``sbatch --parsable`` it; returns the job id. The user's arguments become
-    the script's, quoted for the login shell."""
+    the script's, quoted for the login shell; ``in_run_dir``: the first one names a file of
+    ``files`` (a probe nodeops ships), and becomes its absolute path."""
     d = run_dir_sh(run_id)
-    args = " ".join(sh_word(a) for a in user_argv)
+    words = [sh_word(a) for a in user_argv]
+    if in_run_dir and words:
+        words[0] = f'"$d"/{words[0]}'
+    args = " ".join(words)
     dirs = sorted({name.rsplit("/", 1)[0] for name in files or {} if "/" in name})
     writes = "".join(f'mkdir -p "$d/"{sh_word(sub)}\n' for sub in dirs) + "".join(
         f'printf %s {base64.b64encode(text.encode()).decode()} | base64 -d > "$d/"{sh_word(name)}\n'

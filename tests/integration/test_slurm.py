@@ -29,7 +29,7 @@ HASH = re.compile(r"^(node\d) \[rank(\d+)\]:final param hash ([0-9a-f]+)$", re.M
 PLACED = re.compile(r"^(node\d) \[rank(\d+)\]:rank \d+/(\d+) on (node\d)", re.M)
 # what a job leaves on a node if it is not stopped: the ranks, torchrun, srun and the step daemon
 # (the hang watchdog and the stacks step's collector too)
-LEFTOVER = re.compile(r"torch\.distributed\.run|ddp_train|sig_train|srun |slurmstepd|watch\.py|stacks\.py")
+LEFTOVER = re.compile(r"torch\.distributed\.run|ddp_train|sig_train|fabric\.py|srun |slurmstepd|watch\.py|stacks\.py")
 
 SIG_TRAIN = """import signal, sys, time
 import torch.distributed as dist
@@ -82,6 +82,8 @@ def project(cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathFactory) 
     write_spec(cluster, d, "pending.yaml", "  sbatch_extra: {begin: now+8}\n")
     write_spec(cluster, d, "signal.yaml", "  signal: {name: USR1, seconds: 60}\n")
     (d / "signal.yaml").write_text((d / "signal.yaml").read_text().replace("time: '00:30:00'", "time: '2'"))
+    # no GPUs asked for: the sandbox's are fake, and the fabric probe would pick NCCL for them
+    (d / "fabric.yaml").write_text(re.sub(r"(?m)^  gpus: \d+\n", "", spec.read_text()))
     p = nodeops("setup", str(spec), timeout=900)
     assert p.returncode == 0, p.stdout + p.stderr
     return d
@@ -173,6 +175,46 @@ def test_check_probes_every_node_slurm_gives_in_one_srun_step(cluster: sandbox.S
         checks = {r["check"]: r["status"] for r in rows}
         assert checks["srun"] == "ok" and checks["torch"] == "ok" and checks["workdir"] == "ok", rows
     assert leftovers(cluster) == {}
+
+
+THROTTLE = ["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms"]
+
+
+def test_check_fabric_on_slurm_passes_then_names_the_throttled_node(cluster: sandbox.Sandbox, project: Path) -> None:
+    """`check --fabric` on Slurm: the node probe's srun step, then the fabric probe as a job of its
+    own (torchrun with gloo in one srun step; the nodes are named as Slurm names them), then
+    node2's egress throttled with `tc tbf`: node2 is named, alone, exit 1. The sandbox's GPUs are
+    fake, so the measuring spec asks for none (gloo); NCCL on real GPUs is untested here."""
+    spec = project / "fabric.yaml"
+    assert "gpus:" not in spec.read_text()
+
+    def check_fabric(*args: str) -> subprocess.CompletedProcess[str]:
+        return nodeops("check", str(spec), "--fabric", "--fabric-seconds", "12", *args, timeout=400)
+
+    healthy = check_fabric()
+    assert healthy.returncode == 0, healthy.stdout[-3000:] + healthy.stderr[-3000:]
+    assert "fabric: all-reduce over all 3 rank(s) (gloo)" in healthy.stdout and "fabric: ok" in healthy.stdout
+    assert "[rank0]:fabric: gloo on 3 rank(s) over 3 node(s)" in healthy.stderr, healthy.stderr[-3000:]
+    assert re.search(r"==> run \S+: sbatch on login node node1 \(3 node\(s\); a measurement\)", healthy.stderr)
+    assert leftovers(cluster) == {}
+
+    node2 = next(n for n in cluster.nodes if n.name == "node2")
+    sandbox.docker("exec", node2.container, *THROTTLE)
+    try:
+        slow = check_fabric("--json")
+    finally:
+        sandbox.docker("exec", node2.container, "tc", "qdisc", "del", "dev", "eth0", "root")
+    assert slow.returncode == 1, slow.stdout[-3000:] + slow.stderr[-3000:]
+    doc = json.loads(slow.stdout)
+    assert all(r["status"] != "fail" for rows in doc["hosts"].values() for r in rows)  # the srun step's rows pass
+    fab = doc["fabric"]
+    assert fab["status"] == "fail" and fab["backend"] == "gloo" and fab["world"] == 3, fab
+    assert sorted(n["name"] for n in fab["nodes"]) == ["node1", "node2", "node3"]  # Slurm's names
+    assert [n["name"] for n in fab["nodes"] if n["verdict"] != "ok"] == ["node2"], fab["nodes"]
+    assert len(fab["problems"]) == 1 and fab["problems"][0].startswith("node2: slow:"), fab["problems"]
+    assert leftovers(cluster) == {}
+    runs = {r["run_id"]: r for r in json.loads(nodeops("runs", "--json").stdout)}
+    assert runs[fab["run_id"]]["state"] == "ok", runs[fab["run_id"]]  # the measuring job itself completed
 
 
 def test_failing_rank_fails_the_job_and_names_its_host(cluster: sandbox.Sandbox, project: Path) -> None:

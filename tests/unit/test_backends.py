@@ -141,10 +141,10 @@ def test_dry_run_is_a_value_replayed_in_order_and_starts_nothing(fake: FakeBacke
                            ("note", "==> nothing started")]  # fmt: skip
 
 
-@pytest.mark.parametrize("asked", ["script", "via_ansible", "sync", "fabric"])
+@pytest.mark.parametrize("asked", ["script", "via_ansible", "sync", "fabric_check"])
 def test_what_the_backend_lacks_is_refused_before_it_is_called(fake: FakeBackend, asked: str) -> None:
     kw: dict[str, Any] = {"script": "run.sh"} if asked == "script" else {"via": "ansible"} if asked == "via_ansible" \
-        else {"fabric_check": True} if asked == "fabric" else {asked: True}  # fmt: skip
+        else {asked: True}  # fmt: skip
     with pytest.raises(UsageError) as e:
         launch_flow.launch(request(**kw), Recorder())
     assert str(e.value) == f"{OPTION_OF[asked]} cannot be used with backend: fake (nothing was run)"
@@ -175,7 +175,7 @@ CLI_OPTIONS: Mapping[str, list[str]] = {
     "detach": ["--detach"],
     "via_ansible": ["--via", "ansible"],
     "script": ["--script", "run.sh"],
-    "fabric": ["--fabric-check"],
+    "fabric_check": ["--fabric-check"],
     "sync": ["--sync"],
     "hang": ["--hang-timeout", "10m"],
 }

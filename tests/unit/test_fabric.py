@@ -42,13 +42,17 @@ def test_ring_schedule_measures_each_node_twice_in_two_or_three_rounds(n: int) -
         assert len(rounds) == (2 if n % 2 == 0 else 3)
 
 
-def test_probe_argv_carries_the_schedule() -> None:
-    argv = fabric.probe_argv(["a", "b", "c", "d"], 20, 0.7, "@@HOME@@/x/fabric.py", "gloo")
-    assert argv == ["@@HOME@@/x/fabric.py", "--seconds", "20", "--spread", "0.7", "--backend", "gloo",
+def test_probe_args_carry_the_schedule() -> None:
+    argv = fabric.probe_args(["a", "b", "c", "d"], 20, 0.7, "gloo")
+    assert argv == ["--seconds", "20", "--spread", "0.7", "--backend", "gloo",
                     "--nodes", "a,b,c,d", "--sequential", "--rounds", "0-1;1-2;2-3;3-0"]  # fmt: skip
-    assert "--rounds" not in fabric.probe_argv(["solo"], 20, 0.7, "f.py", "nccl")
-    big = fabric.probe_argv([f"n{i}" for i in range(10)], 20, 0.7, "f.py", "nccl")
+    assert "--rounds" not in fabric.probe_args(["solo"], 20, 0.7, "nccl")
+    big = fabric.probe_args([f"n{i}" for i in range(10)], 20, 0.7, "nccl")
     assert "--sequential" not in big and big[big.index("--rounds") + 1].count(";") == 1  # 2 concurrent rounds
+    # Slurm names its nodes once the job runs: the probe is told how many, with the same schedule
+    assert fabric.probe_args(3, 20, 0.7, "gloo") == ["--seconds", "20", "--spread", "0.7", "--backend", "gloo",
+                                                     "--count", "3", "--sequential", "--rounds",
+                                                     "0-1;1-2;2-0"]  # fmt: skip
 
 
 def test_backend_is_one_for_the_whole_run() -> None:
@@ -291,8 +295,8 @@ def test_fabric_failure_is_exit_1_and_json_status_fail(tmp_path: Path, monkeypat
     from typer.testing import CliRunner
 
     from nodeops.cli import app
+    from nodeops.fabric import FabricError
     from nodeops.lifecycle import check as check_flow
-    from nodeops.lifecycle.fabric import FabricError
 
     slow = fabric.evaluate(doc(["a", "b", "c"], {(0, 1): 1.0, (1, 2): 1.0, (2, 0): 0.01}))
     monkeypatch.setattr(check_flow, "run_fabric", lambda *a, **k: slow)

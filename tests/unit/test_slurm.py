@@ -287,8 +287,6 @@ def test_launch_options_without_meaning_on_slurm_are_refused_before_anything_run
     assert r.exit_code == 0, r.output
     assert "sbatch --parsable --output=RUN_DIR/batch.log RUN_DIR/job.sbatch train.py 'it'\"'\"'s' '$(id)'" in r.output
     assert "#SBATCH --gpus=4" in r.output
-    r = cli.invoke(app, ["check", "--fabric", str(spec)])
-    assert r.exit_code == 2 and "--fabric cannot be used with backend: slurm" in r.output
 
 
 def test_poll_tells_a_forgotten_job_from_a_failing_controller(fake_slurm: Path) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 if TYPE_CHECKING:
     from nodeops.check import Report
     from nodeops.spec import LoadedSpec
+    from nodeops.starter import RunFile
     from nodeops.store import Job
 
 
@@ -47,13 +48,14 @@ class Capabilities:
     detach: bool  # launch --detach: return once the job runs (a launch follows its job by default, everywhere)
     via_ansible: bool  # launch --via ansible: start the jobs through the launch.yml playbook
     script: bool  # launch --script: a bash script that calls $NODEOPS_RUNNER
-    fabric: bool  # check --fabric, launch --fabric-check
+    fabric: bool  # check --fabric: the fabric measurement (Backend.fabric_nodes, Backend.run_probe)
     sync: bool  # launch --sync (setup's shared_path role first)
     preflight: bool  # the preflight before a launch (--no-check skips it)
     hang: bool = False  # launch --hang-timeout / launch.hang_timeout: the hang watchdog
     stacks: bool = False  # nodeops stacks RUN_ID (a command of its own, refused by lifecycle.control)
     flight_recorder: bool = False  # launch.flight_recorder: true (its default, GPUs, is on only where declared)
     restarts: bool = False  # launch.restarts > 0, spare nodes: automatic recovery
+    fabric_check: bool = False  # launch --fabric-check: the measurement on the nodes the job then gets
 
 
 # The option that needs each capability, as the user types it (one wording on every backend).
@@ -61,7 +63,7 @@ OPTION_OF: Mapping[str, str] = {
     "detach": "--detach",
     "via_ansible": "--via ansible",
     "script": "--script",
-    "fabric": "--fabric-check",
+    "fabric_check": "--fabric-check",
     "sync": "--sync",
     "hang": "--hang-timeout (launch.hang_timeout)",
     "flight_recorder": "launch.flight_recorder: true",
@@ -95,7 +97,7 @@ class LaunchRequest:
     def asked(self) -> dict[str, bool]:
         """Which capabilities this request needs (keys of :data:`OPTION_OF`)."""
         return {"detach": self.detach, "via_ansible": self.via != "ssh", "script": self.script is not None,
-                "fabric": self.fabric_check, "sync": self.sync, "hang": bool(self.hang_timeout)}  # fmt: skip
+                "fabric_check": self.fabric_check, "sync": self.sync, "hang": bool(self.hang_timeout)}  # fmt: skip
 
 
 @dataclass
@@ -172,6 +174,20 @@ class Backend(abc.ABC):
         """Every rank's stack of a live run, taken at once on every host (nodeops.launch.stacks'
         dumps, each with its ``host``), and host -> why none came from there. Only where
         ``capabilities.stacks``."""
+        raise NotImplementedError
+
+    def fabric_nodes(self, loaded: LoadedSpec) -> tuple[list[str] | int, list[int]]:
+        """`check --fabric`'s nodes: their names in node-rank order (or how many, where the
+        scheduler names them once the job runs), and each one's GPU count. Only where
+        ``capabilities.fabric``."""
+        raise NotImplementedError
+
+    def run_probe(self, loaded: LoadedSpec, spec_path: Path, probe: RunFile, args: Sequence[str], sink: Sink, *,
+                  env: Mapping[str, str], emit: Callable[[str, str], None], run_id: str) -> None:  # fmt: skip
+        """A measurement as an ordinary torchrun run of ``probe`` (shipped into the run's dir)
+        with ``args``: the spec's env file, Python env and ports, ``env`` on top of them, every
+        log line to ``emit`` (not ``sink.line``); followed to its end (Ctrl-C stops it). Raises
+        :class:`nodeops.errors.ExitWith` unless it ends in success. Only where ``capabilities.fabric``."""
         raise NotImplementedError
 
     @abc.abstractmethod

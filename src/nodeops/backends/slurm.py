@@ -10,6 +10,7 @@ import os
 import secrets
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,6 +23,7 @@ from nodeops.launch import stacks as S
 from nodeops.quoting import sh_word
 from nodeops.render import ssh_config
 from nodeops.spec import LoadedSpec, Node, ResourceSpec
+from nodeops.starter import RunFile
 from nodeops.transport import last_line
 
 STACKS_STEP = 60  # seconds `nodeops stacks` gives its srun step
@@ -387,11 +389,70 @@ def as_srun_rows(report: check.Report, missing: str = "") -> check.Report:
     return check.Report(rows, report.values, report.hosts)
 
 
+def submit_run(loaded: LoadedSpec, spec_path: Path, argv: Sequence[str], files: Mapping[str, str], sink: Sink,
+               run_id: str, what: str, in_run_dir: bool = False) -> store.Job:  # fmt: skip
+    """Write the run's record and submit its batch script with ``files`` (what = how the
+    progress line describes it); returns the saved record. Ctrl-C or SIGTERM while sbatch runs
+    waits until the record is saved, then cancels the job: a job is never queued without a
+    record to stop it by."""
+    local = store.jobs_dir() / run_id
+    local.mkdir(mode=0o700)
+    (local / "ssh_config").write_text(ssh_config(loaded))
+    login = login_of(loaded, local / "ssh_config")
+    script = slurm.batch_script(loaded)
+    (local / slurm.SCRIPT).write_text(script)
+    t0 = time.monotonic()
+    nodes = loaded.spec.slurm.nodes if loaded.spec.slurm else 0
+    sink.note(f"==> run {run_id}: sbatch on {login.where} ({nodes} node(s); {what})")
+    noted = "==> interrupt noted: waiting for sbatch to answer, then the job is cancelled"
+    with deferred_interrupts(lambda: sink.note(noted)) as interrupted:
+        try:
+            job_id = slurm.submit(login, run_id, script, argv, files, in_run_dir=in_run_dir)
+        except slurm.SlurmError as e:
+            job_id = ""
+            why = str(e)
+        if job_id:
+            job = store.Job(run_id=run_id, dir=local, hosts=[login.host or "localhost"], argv=list(argv),
+                            runner="torchrun", chief=login.host or "localhost",
+                            spec=str(spec_path.resolve()), started=time.time(), backend="slurm",
+                            handle={"job_id": job_id, "login": login.host or ""})  # fmt: skip
+            job.save()
+    if not job_id:
+        raise ExitWith(130 if interrupted else EXIT_FAILURE,
+                       f"launch failed: {why}" + ("; interrupted" if interrupted else ""))  # fmt: skip
+    sink.note(f"==> submitted Slurm job {job_id} in {time.monotonic() - t0:.1f}s")
+    if interrupted:
+        with ignoring_interrupts():
+            _st, how = cancel(job)
+        raise ExitWith(130, f"==> run {run_id} interrupted while submitting: job {job_id} cancelled; {how}")
+    return job
+
+
+@dataclasses.dataclass
+class Emitting:
+    """A sink whose log lines go to ``emit`` (a measurement's reader) instead."""
+
+    sink: Sink
+    emit: Callable[[str, str], None]
+
+    def note(self, text: str) -> None:
+        self.sink.note(text)
+
+    def out(self, text: str) -> None:
+        self.sink.out(text)
+
+    def line(self, host: str, text: str) -> None:
+        self.emit(host, text)
+
+    def report(self, report: Any) -> None:
+        self.sink.report(report)
+
+
 class SlurmBackend(Backend):
     name: ClassVar[str] = "slurm"
     capabilities: ClassVar[Capabilities] = Capabilities(
         runners=frozenset({"torchrun"}), detach=True, via_ansible=False,
-        script=False, fabric=False, sync=True, preflight=False, hang=True, stacks=True,
+        script=False, fabric=True, sync=True, preflight=False, hang=True, stacks=True,
     )  # fmt: skip
     # On Slurm, setup prepares the shared filesystem through the login node: the Python env, the
     # workdir and the env file. The ssh mesh and DeepSpeed's hostfile are for ssh launches.
@@ -439,53 +500,41 @@ class SlurmBackend(Backend):
     def launch(self, loaded: LoadedSpec, request: LaunchRequest, sink: Sink) -> None:
         """Submit the batch script; then follow it like `logs -f` (Ctrl-C cancels the job) and exit
         with its code, or (``--detach``) print the run id and return."""
-        user_argv = request.argv
-        run_id = store.new_run_id()
-        local = store.jobs_dir() / run_id
-        local.mkdir(mode=0o700)
-        (local / "ssh_config").write_text(ssh_config(loaded))
-        login = login_of(loaded, local / "ssh_config")
-        script = slurm.batch_script(loaded)
-        (local / slurm.SCRIPT).write_text(script)
         # the preflight runs as the job's first step (the same probe and rules as `check`)
         files = run_files(loaded)
         if request.check:
             files[slurm.PREFLIGHT_IN] = preflight_input(loaded, request.script_file())
-        t0 = time.monotonic()
-        nodes = loaded.spec.slurm.nodes if loaded.spec.slurm else 0
         pre = "its first step the preflight" if request.check else "no preflight (--no-check)"
-        sink.note(f"==> run {run_id}: sbatch on {login.where} ({nodes} node(s); {pre})")
-        # Ctrl-C or SIGTERM while sbatch runs waits until the job's record is saved, then cancels it:
-        # a job is never queued without a record to stop it by.
-        noted = "==> interrupt noted: waiting for sbatch to answer, then the job is cancelled"
-        with deferred_interrupts(lambda: sink.note(noted)) as interrupted:
-            try:
-                job_id = slurm.submit(login, run_id, script, user_argv, files)
-            except slurm.SlurmError as e:
-                job_id = ""
-                why = str(e)
-            if job_id:
-                job = store.Job(run_id=run_id, dir=local, hosts=[login.host or "localhost"], argv=user_argv,
-                               runner="torchrun", chief=login.host or "localhost",
-                               spec=str(request.spec_path.resolve()), started=time.time(), backend="slurm",
-                               handle={"job_id": job_id, "login": login.host or ""})  # fmt: skip
-                job.save()
-        if not job_id:
-            raise ExitWith(130 if interrupted else EXIT_FAILURE,
-                           f"launch failed: {why}" + ("; interrupted" if interrupted else ""))  # fmt: skip
-        sink.note(f"==> submitted Slurm job {job_id} in {time.monotonic() - t0:.1f}s")
-        if interrupted:
-            with ignoring_interrupts():
-                _st, how = cancel(job)
-            raise ExitWith(130, f"==> run {run_id} interrupted while submitting: job {job_id} cancelled; {how}")
+        job = submit_run(loaded, request.spec_path, request.argv, files, sink, store.new_run_id(), pre)
         if request.detach:
-            sink.note(f"    nodeops status {run_id}  |  nodeops logs {run_id} -f  |  nodeops stop {run_id}")
-            sink.out(run_id)
+            sink.note(f"    nodeops status {job.run_id}  |  nodeops logs {job.run_id} -f  |  nodeops stop {job.run_id}")
+            sink.out(job.run_id)
             return
         sink.note("==> following its logs (Ctrl-C cancels the job)")
         with sigterm_as_interrupt():
             st = follow(job, sink, cancel_on_interrupt=True)
         verdict(job, st, sink)
+
+    def fabric_nodes(self, loaded: LoadedSpec) -> tuple[list[str] | int, list[int]]:
+        s = loaded.spec.slurm
+        if s is None:
+            raise ValueError("a Slurm spec without its slurm section")
+        per_node = s.gpus_per_node if s.gpus_per_node is not None else (s.gpus or 0) // max(1, s.nodes)
+        return s.nodes, [per_node] * s.nodes  # Slurm names the nodes once the job runs
+
+    def run_probe(self, loaded: LoadedSpec, spec_path: Path, probe: RunFile, args: Sequence[str], sink: Sink, *,
+                  env: Mapping[str, str], emit: Callable[[str, str], None], run_id: str) -> None:  # fmt: skip
+        """The probe as a job of its own (one allocation, no preflight step), never requeued."""
+        s = loaded.spec
+        once = s.slurm.model_copy(update={"max_requeues": 0}) if s.slurm is not None else None
+        job_loaded = dataclasses.replace(loaded, spec=s.model_copy(update={"slurm": once}))
+        files = {**run_files(job_loaded), probe.name: probe.content, slurm.RUN_ENV: slurm.env_lines(env)}
+        job = submit_run(job_loaded, spec_path, [probe.name, *args], files, sink, run_id, "a measurement",
+                         in_run_dir=True)  # fmt: skip
+        to_emit = Emitting(sink, emit)
+        with sigterm_as_interrupt():
+            st = follow(job, to_emit, cancel_on_interrupt=True)
+        verdict(job, st, to_emit)
 
     def status(self, job: store.Job, sink: Sink) -> None:
         st = slurm.poll(login_for(job), job.run_id, slurm_id(job), {}, max_bytes=0)

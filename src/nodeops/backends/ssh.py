@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from nodeops import _launch_plan, check, failures, launchers, ssh_run, starter, store, transport
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
+from nodeops.fabric import FabricError
 from nodeops.interrupts import ignoring_interrupts, sigterm_as_interrupt
 from nodeops.launch import protocol as P
 from nodeops.launch import recovery as R
@@ -441,6 +442,7 @@ class SshBackend(Backend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, via_ansible=True, script=True,
         fabric=True, sync=True, preflight=True, hang=True, stacks=True, flight_recorder=True, restarts=True,
+        fabric_check=True,
     )  # fmt: skip
 
     def summary(self, loaded: LoadedSpec) -> str:
@@ -524,6 +526,24 @@ class SshBackend(Backend):
                            f"{', '.join(dict.fromkeys([*left, *problems]))}")  # fmt: skip
         sink.note(f"run {job.run_id}: nothing of it is left running on {len(states)} host(s)"
                   + ("" if ended is not None else "; stopped"))  # fmt: skip
+
+    def fabric_nodes(self, loaded: LoadedSpec) -> tuple[list[str] | int, list[int]]:
+        s = loaded.spec
+        undiscovered = [s.alias(n) for n in s.nodes if n.gpus == "auto"]
+        if undiscovered:
+            raise FabricError(
+                f"gpus: auto is not discovered yet on {', '.join(undiscovered)}: run `nodeops setup` first"
+            )
+        ranked = s.ranked_nodes()
+        return [s.alias(n) for n in ranked], [len(n.gpus) if isinstance(n.gpus, list) else 0 for n in ranked]
+
+    def run_probe(self, loaded: LoadedSpec, spec_path: Path, probe: RunFile, args: Sequence[str], sink: Sink, *,
+                  env: Mapping[str, str], emit: Emit, run_id: str) -> None:  # fmt: skip
+        # every node is measured, spares too, once: a probe is never restarted
+        nodes = [n.model_copy(update={"spare": False}) for n in loaded.spec.nodes]
+        every = dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"nodes": nodes}))
+        argv = [f"@@HOME@@/{store.remote_dir(run_id)}/{probe.name}", *args]
+        run_job(every, spec_path, argv, sink, extra_files=[probe], extra_env=env, emit=emit, run_id=run_id)
 
     def stacks(self, job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
         return ssh_run.take_stacks(job, native, method)

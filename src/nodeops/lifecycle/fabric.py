@@ -1,52 +1,41 @@
 """`check --fabric` and `launch --fabric-check`: the fabric probe run as an ordinary torchrun
-run over the ssh backend, and the verdict on its result."""
+run by the spec's backend, and the verdict on its result."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
-from nodeops import fabric, store
+from nodeops import backends, fabric, store
 from nodeops.backends.base import Sink
-from nodeops.backends.ssh import run_job
-from nodeops.errors import EXIT_FAILURE, ExitWith, NodeopsError
-from nodeops.fabric import FabricReport
+from nodeops.errors import EXIT_FAILURE, ExitWith
+from nodeops.fabric import FabricError, FabricReport
 from nodeops.spec import LoadedSpec
 from nodeops.starter import RunFile
-
-
-class FabricError(NodeopsError):
-    """The fabric measurement did not produce a result (the run failed, or said nothing)."""
 
 
 def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, sink: Sink, verbose: bool = False) -> FabricReport:
     """Run the fabric probe as an ordinary torchrun run (the spec's env file, Python env,
     interface settings and ports; NCCL's network lines switched on) and judge its result."""
     s = loaded.spec
-    # torchrun whatever the job's runner: one process per GPU (or one per node), the same ports.
-    # Every node is measured, spares too, once: the probe is never restarted.
-    launch = s.launch.model_copy(update={"runner": "torchrun", "max_restarts": 0, "restarts": 0})
-    nodes = [n.model_copy(update={"spare": False}) for n in s.nodes]
-    as_torchrun = dataclasses.replace(loaded, spec=s.model_copy(update={"launch": launch, "nodes": nodes}))
-    names = [s.alias(n) for n in s.ranked_nodes()]
+    backend = backends.for_spec(s)
+    # torchrun whatever the job's runner: one process per GPU (or one per node), the same ports;
+    # measured once (never restarted) and ended by its own timeouts, not a hang watchdog
+    launch = s.launch.model_copy(update={"runner": "torchrun", "max_restarts": 0, "restarts": 0,
+                                         "hang_timeout": None})  # fmt: skip
+    as_torchrun = dataclasses.replace(loaded, spec=s.model_copy(update={"launch": launch}))
+    names, gpus = backend.fabric_nodes(loaded)
+    n = names if isinstance(names, int) else len(names)
     run_id = store.new_run_id()
     thresholds = s.network.fabric
-    undiscovered = [s.alias(n) for n in s.nodes if n.gpus == "auto"]
-    if undiscovered:
-        raise FabricError(f"gpus: auto is not discovered yet on {', '.join(undiscovered)}: run `nodeops setup` first")
-    which = fabric.backend([len(n.gpus) if isinstance(n.gpus, list) else 0 for n in s.ranked_nodes()])
-    script = f"@@HOME@@/{store.remote_dir(run_id)}/fabric.py"
-    argv = fabric.probe_argv(names, seconds, thresholds.max_pair_spread, script, which)
-    probe = (Path(fabric.__file__).parent / "fabric_probe.py").read_text()
+    args = fabric.probe_args(names, seconds, thresholds.max_pair_spread, fabric.backend(gpus))
+    probe = RunFile("fabric.py", (Path(fabric.__file__).parent / "fabric_probe.py").read_text(), "0600")
     collector = fabric.Collector(lambda host, line: sink.note(f"{host} {line}"), verbose)
-    pairs = len(fabric.ring_pairs(len(names)))
-    sink.note(
-        f"==> fabric: all-reduce over {len(names)} node(s) and {pairs} node pair(s), {seconds:g}s budget (run {run_id})"
-    )
+    pairs = len(fabric.ring_pairs(n))
+    sink.note(f"==> fabric: all-reduce over {n} node(s) and {pairs} node pair(s), {seconds:g}s budget (run {run_id})")
     try:
-        run_job(as_torchrun, spec_path, argv, sink, extra_files=[RunFile("fabric.py", probe, "0600")],
-                extra_env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}, emit=collector,
-                run_id=run_id)  # fmt: skip
+        backend.run_probe(as_torchrun, spec_path, probe, args, sink, emit=collector, run_id=run_id,
+                          env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"})  # fmt: skip
     except ExitWith as e:
         if e.exit_code == 130:  # Ctrl-C: the run is stopped everywhere; so is check
             raise
