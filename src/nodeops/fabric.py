@@ -27,8 +27,10 @@ reaches, and only ``min_busbw_gbps`` can fail the fabric.
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,6 +40,7 @@ from nodeops.fabric_probe import MARKER, bus_factor, format_rounds, human_bytes,
 
 PROGRESS = "fabric: "  # the probe's own lines start so (after torchrun's [rankN]: prefix)
 DEFAULT_SPREAD = 0.7
+GATE_SECONDS = 30  # launch --fabric-check's measurement budget
 
 
 class FabricError(NodeopsError):
@@ -192,6 +195,13 @@ class FabricReport:
         out["latency_us"] = None if lat is None else round(lat.seconds * 1e6, 1)
         return out
 
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> FabricReport:
+        """The report :meth:`to_json` wrote (a Slurm job's gate writes it in the run dir)."""
+        rows = {"sweep": SweepRow, "pairs": PairRow, "nodes": NodeRow}
+        fields = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        return cls(**{**fields, **{k: [row(**r) for r in d.get(k, [])] for k, row in rows.items()}})
+
 
 def evaluate(
     doc: Mapping[str, Any],
@@ -331,3 +341,46 @@ def probe_args(names: Sequence[str] | int, seconds: float, spread: float, backen
     if n <= SEQUENTIAL_MAX_NODES:
         argv.append("--sequential")
     return argv + (["--rounds", format_rounds(rounds)] if rounds else [])
+
+
+def gate_main(argv: Sequence[str]) -> int:
+    """``python3 -m nodeops.fabric CONFIG DOC REPORT LOG...``: `launch --fabric-check` judged on a
+    Slurm job's batch node, before its training step (this module, ``errors`` and
+    ``fabric_probe`` shipped as a package of their own into the run dir; stdlib only). CONFIG
+    holds the thresholds, DOC is the probe's document (``--out``), the node logs give NCCL's
+    network lines; the report goes to REPORT, its verdict to stdout (the batch log). 0: the
+    fabric passed, 1: it did not, 2: there was no measurement to judge."""
+    with open(argv[0]) as fh:
+        cfg = json.load(fh)
+    try:
+        with open(argv[1]) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        print("nodeops: fabric: the measurement gave no result (its lines are in the node logs)", flush=True)
+        return 2
+    nccl: dict[str, list[str]] = {}
+    for log in argv[3:]:
+        try:
+            with open(log, errors="replace") as fh:
+                host = os.path.basename(log)[: -len(".log")]  # logs/NODE.log (no str.removesuffix: Python 3.8)
+                nccl[host] = [line for line in fh if "NCCL INFO" in line]
+        except OSError:
+            continue
+    interfaces = {host: said for host, lines in nccl.items() if (said := parse_nccl_net(lines))}
+    report = evaluate(doc, spread=float(cfg["spread"]), min_busbw=cfg.get("min_busbw"), interfaces=interfaces)
+    with open(argv[2] + ".tmp", "w") as fh:
+        json.dump(report.to_json(), fh)
+    os.replace(argv[2] + ".tmp", argv[2])
+    for note in report.notes:
+        print(f"nodeops: fabric: note: {note}")
+    for problem in report.problems:
+        print(f"nodeops: fabric: {problem}")
+    slowest = report.nodes[0] if report.nodes else None
+    pairs = f"; slowest node {slowest.name}, best pair {slowest.best:.3g} Gbit/s" if slowest and slowest.best else ""
+    print(f"nodeops: fabric: {'ok' if report.ok else 'fail'} ({report.world} rank(s), {report.backend}, "
+          f"measured in {report.elapsed:.1f}s{pairs})", flush=True)  # fmt: skip
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(gate_main(sys.argv[1:]))

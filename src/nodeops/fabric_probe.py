@@ -122,6 +122,7 @@ def main() -> int:
     ap.add_argument("--spread", type=float, default=0.7, help="below this share of the best node: a suspect")
     ap.add_argument("--backend", choices=("nccl", "gloo"), required=True, help="chosen from the spec, for every rank")
     ap.add_argument("--sequential", action="store_true", help="measure suspects' pairs one at a time too")
+    ap.add_argument("--out", default="", help="rank 0 also writes its document here (a Slurm job's gate reads it)")
     args = ap.parse_args()
 
     import torch
@@ -277,6 +278,10 @@ def main() -> int:
             "elapsed": time.monotonic() - t_start,
         }  # fmt: skip
         print(f"{MARKER} {json.dumps(doc, separators=(',', ':'))}", flush=True)
+        if args.out:
+            with open(args.out + ".tmp", "w") as fh:
+                json.dump(doc, fh)
+            os.replace(args.out + ".tmp", args.out)
     slowest(0.0)  # nobody leaves while rank 0 still prints
     dist.destroy_process_group()
     return 0

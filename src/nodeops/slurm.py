@@ -41,6 +41,11 @@ BATCH_LOG = "batch.log"
 SCRIPT = "job.sbatch"
 PREFLIGHT_IN = "preflight.in"  # the preflight step's input (launch writes it unless --no-check)
 PREFLIGHT_OUT = "preflight.json"  # every row of the preflight step (check_rules.gate writes it)
+FABRIC_ARGS = "fabric.args"  # launch --fabric-check: the probe's arguments, one per line (the step runs if it is there)
+FABRIC_CONFIG = "fabric.json"  # its thresholds, for the gate (nodeops.fabric.gate_main)
+FABRIC_DOC = "fabric.doc.json"  # the probe's document (rank 0 writes it)
+FABRIC_REPORT = "fabric.report.json"  # the gate's report (FabricReport.to_json)
+FABRIC_GATE_DIR = "fabric-gate"  # the gate's package: nodeops/{__init__,errors,fabric,fabric_probe}.py
 RUN_ENV = "run.env"  # in the run dir: this run's own env (`export K=V` lines), sourced after the spec's env file
 PYTHON_PATH = "python3.path"  # in the run dir: the job's python3 (its activated env's), for `nodeops stacks`
 PREFLIGHT_TIMEOUT = 300  # seconds the preflight step may take before the job ends as failed
@@ -128,6 +133,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         preflight_in=PREFLIGHT_IN, preflight_out=PREFLIGHT_OUT, preflight_timeout=PREFLIGHT_TIMEOUT,
         probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),
         watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH, run_env=RUN_ENV,
+        fabric_args=FABRIC_ARGS, fabric_config=FABRIC_CONFIG, fabric_doc=FABRIC_DOC, fabric_report=FABRIC_REPORT,
     ))  # fmt: skip
 
 
@@ -277,6 +283,9 @@ try:
     if out["result"].get("preflight"):  # the rows that failed the preflight step
         with open(os.path.join(d, a["preflight"])) as f:
             out["result"]["preflight_rows"] = [r for r in json.load(f)["rows"] if r["status"] == "fail"]
+    if out["result"].get("fabric"):  # launch --fabric-check's report, when the step before training failed
+        with open(os.path.join(d, a["fabric"])) as f:
+            out["result"]["fabric_report"] = json.load(f)
     if out["result"].get("hang"):  # the hang watchdog's verdict, without every rank's dump
         with open(os.path.join(d, a["hang"])) as f:
             out["result"]["hang_report"] = {k: v for k, v in json.load(f).items() if k != "dumps"}
@@ -315,7 +324,7 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
     ``tail``: each log's last ``max_bytes`` instead."""
     args = json.dumps({"run_dir": f"~/.nodeops/runs/{run_id}", "job": job_id, "offsets": offsets,
                        "batch": BATCH_LOG, "max": max_bytes, "all": whole, "tail": tail,
-                       "preflight": PREFLIGHT_OUT, "hang": W.HANG})  # fmt: skip
+                       "preflight": PREFLIGHT_OUT, "hang": W.HANG, "fabric": FABRIC_REPORT})  # fmt: skip
     code = _POLL.replace("json.loads(ARGS)", f"json.loads({args!r})")
     p = login.run(f"python3 - <<'NODEOPS_POLL'\n{code}\nNODEOPS_POLL\n")
     if p.returncode != 0:
@@ -504,6 +513,19 @@ def preflight_failure(st: Poll) -> str:
     return f"the preflight failed on {hosts}{what}; no training rank was started"
 
 
+def fabric_failure(st: Poll) -> str:
+    """'' unless launch --fabric-check's step ended the job; then what it found."""
+    if not st.result or not st.result.get("fabric"):
+        return ""
+    if st.result.get("fabric") == "error":
+        return ("the fabric check before training gave no result (its srun step failed; the node logs say "
+                "why); no training rank was started")  # fmt: skip
+    report = st.result.get("fabric_report")
+    problems = report.get("problems") if isinstance(report, dict) else None
+    what = "; ".join(str(p) for p in problems) if problems else "its report could not be read"
+    return f"the fabric check before training failed ({what}); no training rank was started"
+
+
 def hang_of(st: Poll) -> dict[str, Any] | None:
     """The hang watchdog's report when it ended the job (and no requeue followed), else None."""
     res = st.result or {}
@@ -514,7 +536,7 @@ def hang_of(st: Poll) -> dict[str, Any] | None:
 
 
 def describe(st: Poll) -> str:
-    pre = preflight_failure(st)
+    pre = preflight_failure(st) or fabric_failure(st)
     if pre:
         return f"{st.state or 'ended'}: {pre}"
     if st.error and not st.state:

@@ -217,6 +217,43 @@ def test_check_fabric_on_slurm_passes_then_names_the_throttled_node(cluster: san
     assert runs[fab["run_id"]]["state"] == "ok", runs[fab["run_id"]]  # the measuring job itself completed
 
 
+def test_launch_fabric_check_on_slurm_measures_the_jobs_own_nodes_before_training(
+    cluster: sandbox.Sandbox, project: Path
+) -> None:
+    """launch --fabric-check on Slurm: the measurement is a step of the job itself, before its
+    training step, on the nodes of that allocation; judged on the batch node by the shipped
+    gate. node2 throttled: the job ends there (exit 1, node2 named, no training rank); healthy:
+    the training runs after it in the same job."""
+    spec = project / "fabric.yaml"
+    node2 = next(n for n in cluster.nodes if n.name == "node2")
+    sandbox.docker("exec", node2.container, *THROTTLE)
+    try:
+        slow = nodeops("launch", "--fabric-check", str(spec), "--", "ddp_train.py", "--steps", "5", timeout=400)
+    finally:
+        sandbox.docker("exec", node2.container, "tc", "qdisc", "del", "dev", "eth0", "root")
+    err = slow.stderr[-4000:]
+    assert slow.returncode == 1, slow.stdout[-3000:] + err
+    assert "the fabric check before training failed (node2: slow:" in err and "no training rank was started" in err
+    assert "fabric: nodes (slowest first)" in slow.stderr  # the gate's report, printed as check prints it
+    assert "nodeops: fabric: node2: slow:" in slow.stdout  # the batch log's line
+    assert not PLACED.findall(slow.stdout), slow.stdout[-3000:]  # ddp_train never started
+    assert "step 0" not in slow.stdout
+    run_id = re.search(r"==> run (\S+): sbatch", slow.stderr).group(1)  # type: ignore[union-attr]
+    st = nodeops("status", run_id)
+    assert st.returncode == 1 and "the fabric check before training failed (node2: slow:" in st.stdout, st.stdout
+    assert leftovers(cluster) == {}
+
+    ok = nodeops("launch", "--fabric-check", str(spec), "--", "ddp_train.py", "--steps", "5", timeout=400)
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    out = ok.stdout
+    assert "nodeops: fabric: ok (3 rank(s), gloo" in out, out[-3000:]
+    assert out.index("nodeops: fabric: ok") < out.index("final param hash")  # the check came first, same job
+    hashes = HASH.findall(out)
+    assert len(hashes) == 3 and len({h for _, _, h in hashes}) == 1, hashes
+    assert len(set(re.findall(r"==> submitted Slurm job (\d+)", ok.stderr))) == 1  # one job, one allocation
+    assert leftovers(cluster) == {}
+
+
 def test_failing_rank_fails_the_job_and_names_its_host(cluster: sandbox.Sandbox, project: Path) -> None:
     p = nodeops("launch", str(project / "cluster.yaml"), "--attach", "--", "ddp_train.py", "--steps", "200",
                 "--sleep", "0.1", "--fail-rank", "2", "--fail-step", "3")  # fmt: skip

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from nodeops import fabric, fabric_probe
+from nodeops.backends.slurm import fabric_files
+from nodeops.loading import load_spec
 
 GIB = 1 << 30
 
@@ -315,3 +318,57 @@ def test_fabric_failure_is_exit_1_and_json_status_fail(tmp_path: Path, monkeypat
     monkeypatch.setattr(check_flow, "run_fabric", broken)
     r = CliRunner().invoke(app, ["check", str(cluster_spec(tmp_path)), "--fabric", "--json"], env=env)
     assert r.exit_code == 1 and json.loads(r.stdout)["fabric"]["error"].startswith("the measurement")
+
+
+# --------------------------------------------------------------- launch --fabric-check on Slurm: the gate
+def gate_dir(tmp_path: Path) -> Path:
+    """The files launch ships for a Slurm job's step before training, written as the batch node
+    has them: the gate package alone on PYTHONPATH (nothing of this checkout's nodeops)."""
+    loaded = load_spec(Path(__file__).resolve().parent.parent / "specs" / "slurm-sandbox.happy.yaml")
+    files = fabric_files(loaded, 3, [0, 0, 0])
+    run = tmp_path / "run"
+    for name, text in files.items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    assert (run / "fabric.args").read_text().splitlines()[:6] == ["--seconds", "30", "--spread", "0.7", "--backend",
+                                                                   "gloo"]  # fmt: skip
+    assert "--count\n3\n" in (run / "fabric.args").read_text()
+    return run
+
+
+def run_gate(run: Path, *logs: Path) -> subprocess.CompletedProcess[str]:
+    # the system's python3, -s: no user site; PYTHONPATH the gate package only (the venv's nodeops
+    # is not importable from there), as on a batch node without nodeops
+    return subprocess.run(["/usr/bin/python3", "-s", "-m", "nodeops.fabric", str(run / "fabric.json"),
+                           str(run / "fabric.doc.json"), str(run / "fabric.report.json"), *map(str, logs)],
+                          env={"PYTHONPATH": str(run / "fabric-gate"), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+
+
+@pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs the system's python3")
+def test_the_shipped_gate_judges_on_a_node_without_nodeops(tmp_path: Path) -> None:
+    run = gate_dir(tmp_path)
+    assert run_gate(run).returncode == 2  # no document: the measurement gave no result
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "b.log").write_text("[rank1]:b:1:1 [0] NCCL INFO NET/Socket : Using [0]eth1:10.0.0.2<0>\n")
+    (logs / "a.log").write_text("[rank0]:fabric: gloo on 3 rank(s)\n")
+    (run / "fabric.doc.json").write_text(json.dumps(doc(["a", "b", "c"], {(0, 1): 0.01, (1, 2): 1.0, (2, 0): 1.0})))
+    p = run_gate(run, logs / "a.log", logs / "b.log", logs / "missing.log")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "nodeops: fabric: c: slow: its best pair reaches" in p.stdout, p.stdout
+    assert p.stdout.splitlines()[-1].startswith("nodeops: fabric: fail (3 rank(s), gloo, measured in 3.2s")
+    report = fabric.FabricReport.from_json(json.loads((run / "fabric.report.json").read_text()))
+    expected = fabric.evaluate(json.loads((run / "fabric.doc.json").read_text()), interfaces={"b": "Socket: eth1"})
+    assert [(n.name, n.verdict) for n in report.nodes] == [(n.name, n.verdict) for n in expected.nodes]
+    assert report.problems == expected.problems
+    assert [n.interface for n in report.nodes if n.name == "b"] == ["Socket: eth1"]
+    (run / "fabric.doc.json").write_text(json.dumps(doc(["a", "b", "c"], {(0, 1): 1.0, (1, 2): 1.0, (2, 0): 1.0})))
+    ok = run_gate(run)
+    assert ok.returncode == 0 and ok.stdout.splitlines()[-1].startswith("nodeops: fabric: ok"), ok.stdout + ok.stderr
+
+
+def test_a_report_reads_back_as_it_was_written() -> None:
+    report = fabric.evaluate(doc(["a", "b", "c"], {(0, 1): 1.0, (1, 2): 0.01, (2, 0): 1.0}), min_busbw=1.0)
+    again = fabric.FabricReport.from_json(json.loads(json.dumps(report.to_json())))
+    assert again == report

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def test_batch_script_is_valid_bash_and_carries_no_user_argument(name: str) -> N
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     assert text.startswith("#!/bin/bash\n")
     # the training command arrives as the script's own arguments, never rendered into it
-    assert 'nodeops-task "$@" &' in text and "train.py" not in text
+    assert re.search(r'nodeops-task "\$SLURM_JOB_ID" \d+ "\$@" &', text) and "train.py" not in text
 
 
 def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
@@ -277,7 +278,7 @@ def test_launch_options_without_meaning_on_slurm_are_refused_before_anything_run
     spec = tmp_path / "cluster.yaml"
     spec.write_text((SPECS / "slurm-sandbox.happy.yaml").read_text().replace("~/.ssh/id_ed25519", str(key)))
     cli = CliRunner()
-    for opts in (["--script", "run.sh"], ["--via", "ansible"], ["--fabric-check"]):
+    for opts in (["--script", "run.sh"], ["--via", "ansible"]):
         r = cli.invoke(app, ["launch", *opts, str(spec), "train.py"])
         assert r.exit_code == 2, (opts, r.output)
         assert "cannot be used with backend: slurm (nothing was run)" in r.output
@@ -287,6 +288,8 @@ def test_launch_options_without_meaning_on_slurm_are_refused_before_anything_run
     assert r.exit_code == 0, r.output
     assert "sbatch --parsable --output=RUN_DIR/batch.log RUN_DIR/job.sbatch train.py 'it'\"'\"'s' '$(id)'" in r.output
     assert "#SBATCH --gpus=4" in r.output
+    r = cli.invoke(app, ["launch", "--dry-run", "--fabric-check", str(spec), "train.py"])
+    assert r.exit_code == 0 and "a step before training would measure the fabric of the job's nodes" in r.output
 
 
 def test_poll_tells_a_forgotten_job_from_a_failing_controller(fake_slurm: Path) -> None:

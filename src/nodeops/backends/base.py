@@ -56,6 +56,7 @@ class Capabilities:
     flight_recorder: bool = False  # launch.flight_recorder: true (its default, GPUs, is on only where declared)
     restarts: bool = False  # launch.restarts > 0, spare nodes: automatic recovery
     fabric_check: bool = False  # launch --fabric-check: the measurement on the nodes the job then gets
+    fabric_check_in_job: bool = False  # ... as the job's own step before training (the backend's launch ships it)
 
 
 # The option that needs each capability, as the user types it (one wording on every backend).

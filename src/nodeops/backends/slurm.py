@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from nodeops import check, check_rules, failures, probe, slurm, store
+from nodeops import check, check_rules, errors, fabric, fabric_probe, failures, probe, slurm, store
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import deferred_interrupts, ignoring_interrupts, sigterm_as_interrupt
@@ -190,6 +190,14 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
         hosts = ", ".join(dict.fromkeys(str(r.get("host")) for r in pre_rows or [])) or "a node"
         raise ExitWith(EXIT_FAILURE, f"==> run {job.run_id}: preflight failed on {hosts} in job {slurm_id(job)}'s "
                        f"first step; no training rank was started (skip with --no-check)")  # fmt: skip
+    if (st.result or {}).get("fabric"):
+        keep_verdict(job, st, EXIT_FAILURE, None)
+        report = (st.result or {}).get("fabric_report")
+        if isinstance(report, dict):
+            with contextlib.suppress(KeyError, TypeError, ValueError):  # a report that does not read: said below
+                sink.report(fabric.FabricReport.from_json(report))
+        raise ExitWith(EXIT_FAILURE, f"==> run {job.run_id}: job {slurm_id(job)}: {slurm.fabric_failure(st)} "
+                       "(network.fabric in the spec changes the thresholds: docs/reference/spec.md)")  # fmt: skip
     hang = slurm.hang_of(st)
     if hang is not None:
         report_hang(job, st, hang, sink)
@@ -263,6 +271,25 @@ def run_files(loaded: LoadedSpec) -> dict[str, str]:
         files["watch.py"] = Path(W.__file__).read_text()
         files[W.CONFIG] = json.dumps({"hang_timeout": timeout})
     return files
+
+
+def fabric_files(loaded: LoadedSpec, count: int, gpus: list[int]) -> dict[str, str]:
+    """launch --fabric-check's step before training: the probe, its arguments, the thresholds,
+    and the gate that judges them on the batch node (nodeops.fabric with what it imports, as a
+    package of its own in the run dir)."""
+    thresholds = loaded.spec.network.fabric
+    args = fabric.probe_args(count, fabric.GATE_SECONDS, thresholds.max_pair_spread, fabric.backend(gpus))
+    gate = f"{slurm.FABRIC_GATE_DIR}/nodeops"
+    return {
+        "fabric.py": Path(fabric_probe.__file__).read_text(),
+        slurm.FABRIC_ARGS: "".join(f"{a}\n" for a in args),
+        slurm.FABRIC_CONFIG: json.dumps({"spread": thresholds.max_pair_spread, "min_busbw": thresholds.min_busbw_gbps}),
+        f"{gate}/__init__.py": "",
+        **{
+            f"{gate}/{Path(str(m.__file__)).name}": Path(str(m.__file__)).read_text()
+            for m in (errors, fabric, fabric_probe)
+        },
+    }
 
 
 def take_stacks(job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -452,7 +479,8 @@ class SlurmBackend(Backend):
     name: ClassVar[str] = "slurm"
     capabilities: ClassVar[Capabilities] = Capabilities(
         runners=frozenset({"torchrun"}), detach=True, via_ansible=False,
-        script=False, fabric=True, sync=True, preflight=False, hang=True, stacks=True,
+        script=False, fabric=True, sync=True, preflight=False, hang=True, stacks=True, fabric_check=True,
+        fabric_check_in_job=True,
     )  # fmt: skip
     # On Slurm, setup prepares the shared filesystem through the login node: the Python env, the
     # workdir and the env file. The ssh mesh and DeepSpeed's hostfile are for ssh launches.
@@ -491,6 +519,11 @@ class SlurmBackend(Backend):
                 f"==> the hang watchdog would run beside the training step on the batch node: no progress for "
                 f"{loaded.spec.launch.hang_timeout:.0f}s -> every rank's stack, the stuck rank named, exit 124"
             )
+        if request.fabric_check:
+            out.note(
+                f"==> a step before training would measure the fabric of the job's nodes "
+                f"(RUN_DIR/{slurm.FABRIC_ARGS}, {fabric.GATE_SECONDS}s budget); a slow node ends the job there"
+            )
         if request.check:
             out.note(f"==> the job's first step would be the preflight: RUN_DIR/{slurm.PREFLIGHT_IN} holds the probe "
                      "of `nodeops check` and its rules (python env, runner, workdir, script, parity); "
@@ -505,6 +538,10 @@ class SlurmBackend(Backend):
         if request.check:
             files[slurm.PREFLIGHT_IN] = preflight_input(loaded, request.script_file())
         pre = "its first step the preflight" if request.check else "no preflight (--no-check)"
+        if request.fabric_check:  # a step before training, on the nodes the training then gets
+            count, gpus = self.fabric_nodes(loaded)
+            files.update(fabric_files(loaded, count, gpus))
+            pre += ", then the fabric check"
         job = submit_run(loaded, request.spec_path, request.argv, files, sink, store.new_run_id(), pre)
         if request.detach:
             sink.note(f"    nodeops status {job.run_id}  |  nodeops logs {job.run_id} -f  |  nodeops stop {job.run_id}")
@@ -515,7 +552,7 @@ class SlurmBackend(Backend):
             st = follow(job, sink, cancel_on_interrupt=True)
         verdict(job, st, sink)
 
-    def fabric_nodes(self, loaded: LoadedSpec) -> tuple[list[str] | int, list[int]]:
+    def fabric_nodes(self, loaded: LoadedSpec) -> tuple[int, list[int]]:
         s = loaded.spec.slurm
         if s is None:
             raise ValueError("a Slurm spec without its slurm section")

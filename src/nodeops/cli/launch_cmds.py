@@ -119,7 +119,8 @@ def launch(
         typer.Option(
             "--fabric-check",
             help="Before starting, run `check --fabric`'s measurement (30 s budget); start nothing if a "
-            "node is slow or a network.fabric threshold fails.",
+            "node is slow or a network.fabric threshold fails. On Slurm it is a step of the job, before "
+            "training, on the nodes of its allocation.",
         ),
     ] = False,
     hang_timeout: Annotated[

@@ -63,7 +63,7 @@ def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, sink: Sink, 
 def fabric_gate(loaded: LoadedSpec, spec_path: Path, sink: Sink) -> None:
     """`launch --fabric-check`: the fabric measurement first; nothing starts unless it passes."""
     try:
-        report = run_fabric(loaded, spec_path, 30, sink)
+        report = run_fabric(loaded, spec_path, fabric.GATE_SECONDS, sink)
     except FabricError as e:
         raise ExitWith(EXIT_FAILURE, f"--fabric-check: {e}; nothing was started") from None
     sink.report(report)  # stderr: stdout is the job's (and, detached, the run id)

@@ -52,6 +52,6 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
         gates.sync_workdir(loaded, sink)
     if request.check and backend.capabilities.preflight:
         gates.preflight(loaded, sink, request.script_file())
-    if request.fabric_check:
+    if request.fabric_check and not backend.capabilities.fabric_check_in_job:
         fabric_gate(loaded, request.spec_path, sink)
     backend.launch(loaded, request, sink)
