@@ -31,6 +31,7 @@ import os
 import re
 import statistics
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -343,29 +344,49 @@ def probe_args(names: Sequence[str] | int, seconds: float, spread: float, backen
     return argv + (["--rounds", format_rounds(rounds)] if rounds else [])
 
 
+GATE_LOG_TAIL = 4 << 20  # bytes of each node log the gate reads for NCCL's lines (the fabric step wrote last)
+
+
 def gate_main(argv: Sequence[str]) -> int:
     """``python3 -m nodeops.fabric CONFIG DOC REPORT LOG...``: `launch --fabric-check` judged on a
     Slurm job's batch node, before its training step (this module, ``errors`` and
-    ``fabric_probe`` shipped as a package of their own into the run dir; stdlib only). CONFIG
-    holds the thresholds, DOC is the probe's document (``--out``), the node logs give NCCL's
-    network lines; the report goes to REPORT, its verdict to stdout (the batch log). 0: the
-    fabric passed, 1: it did not, 2: there was no measurement to judge."""
+    ``fabric_probe`` shipped as a package of their own into the run dir; stdlib only, Python
+    3.8+). CONFIG holds the thresholds, DOC is the probe's document (``--out``, written on
+    another node: waited for, a shared filesystem's cache may not show it yet), the end of each
+    node log gives NCCL's network lines; the report goes to REPORT, its verdict to stdout (the
+    batch log). 0: the fabric passed, 1: it did not, 2: there was no measurement to judge,
+    3: the gate itself broke (never taken for a verdict on the fabric)."""
+    try:
+        return _gate(argv)
+    except Exception as e:
+        print(f"nodeops: fabric: the gate failed: {type(e).__name__}: {e}", flush=True)
+        return 3
+
+
+def _gate(argv: Sequence[str]) -> int:
     with open(argv[0]) as fh:
         cfg = json.load(fh)
-    try:
-        with open(argv[1]) as fh:
-            doc = json.load(fh)
-    except (OSError, ValueError):
-        print("nodeops: fabric: the measurement gave no result (its lines are in the node logs)", flush=True)
-        return 2
+    doc = None
+    deadline = time.monotonic() + 10
+    while doc is None:
+        try:
+            with open(argv[1]) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            if time.monotonic() > deadline:
+                print("nodeops: fabric: the measurement gave no result (its lines are in the node logs)", flush=True)
+                return 2
+            time.sleep(0.5)
     nccl: dict[str, list[str]] = {}
     for log in argv[3:]:
         try:
-            with open(log, errors="replace") as fh:
-                host = os.path.basename(log)[: -len(".log")]  # logs/NODE.log (no str.removesuffix: Python 3.8)
-                nccl[host] = [line for line in fh if "NCCL INFO" in line]
+            with open(log, "rb") as fb:
+                fb.seek(max(0, os.fstat(fb.fileno()).st_size - GATE_LOG_TAIL))
+                text = fb.read().decode(errors="replace")
         except OSError:
             continue
+        host = os.path.basename(log)[: -len(".log")]  # logs/NODE.log (no str.removesuffix: Python 3.8)
+        nccl[host] = [line for line in text.splitlines() if "NCCL INFO" in line]
     interfaces = {host: said for host, lines in nccl.items() if (said := parse_nccl_net(lines))}
     report = evaluate(doc, spread=float(cfg["spread"]), min_busbw=cfg.get("min_busbw"), interfaces=interfaces)
     with open(argv[2] + ".tmp", "w") as fh:

@@ -130,7 +130,7 @@ def main() -> int:
 
     # ssh: job.sh's NODE_RANK, the spec's node rank whatever the rendezvous. Slurm: the node's
     # index in the allocation, and its name is Slurm's (the nodes are known once the job runs).
-    node = int(os.environ.get("NODE_RANK") or os.environ["SLURM_NODEID"])
+    node = int(os.environ["SLURM_NODEID"] if args.count else os.environ["NODE_RANK"])
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     names = args.nodes.split(",") if args.nodes else [host if i == node else f"node{i}" for i in range(args.count)]
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -46,6 +46,7 @@ FABRIC_CONFIG = "fabric.json"  # its thresholds, for the gate (nodeops.fabric.ga
 FABRIC_DOC = "fabric.doc.json"  # the probe's document (rank 0 writes it)
 FABRIC_REPORT = "fabric.report.json"  # the gate's report (FabricReport.to_json)
 FABRIC_GATE_DIR = "fabric-gate"  # the gate's package: nodeops/{__init__,errors,fabric,fabric_probe}.py
+FABRIC_TIMEOUT = 300  # seconds the fabric step may take (start-up, the 30 s budget, a stuck rank's timeouts)
 RUN_ENV = "run.env"  # in the run dir: this run's own env (`export K=V` lines), sourced after the spec's env file
 PYTHON_PATH = "python3.path"  # in the run dir: the job's python3 (its activated env's), for `nodeops stacks`
 PREFLIGHT_TIMEOUT = 300  # seconds the preflight step may take before the job ends as failed
@@ -134,6 +135,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),
         watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH, run_env=RUN_ENV,
         fabric_args=FABRIC_ARGS, fabric_config=FABRIC_CONFIG, fabric_doc=FABRIC_DOC, fabric_report=FABRIC_REPORT,
+        fabric_timeout=FABRIC_TIMEOUT,
     ))  # fmt: skip
 
 
@@ -518,8 +520,16 @@ def fabric_failure(st: Poll) -> str:
     if not st.result or not st.result.get("fabric"):
         return ""
     if st.result.get("fabric") == "error":
-        return ("the fabric check before training gave no result (its srun step failed; the node logs say "
-                "why); no training rank was started")  # fmt: skip
+        step, gate = st.result.get("fabric_step"), st.result.get("fabric_gate")
+        why = (
+            f"its srun step exited {step}"
+            if step not in (0, None)
+            else f"the gate on the batch node exited {gate}"
+            if gate not in (0, None)
+            else "no report was written"
+        )
+        return (f"the fabric check before training gave no verdict ({why}; the batch and node logs say more); "
+                "no training rank was started")  # fmt: skip
     report = st.result.get("fabric_report")
     problems = report.get("problems") if isinstance(report, dict) else None
     what = "; ".join(str(p) for p in problems) if problems else "its report could not be read"

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,18 @@ def deepspeed_wheelhouse() -> Path:
     shutil.rmtree(build, ignore_errors=True)
     (DS_WHEELHOUSE / ".complete").touch()
     return DS_WHEELHOUSE
+
+
+def one_group_stacks(stacks: Callable[[], subprocess.CompletedProcess[str]], ranks: str, tries: int = 3) -> str:
+    """`nodeops stacks RUN` (human form, via ``stacks``) until it shows every rank (``ranks``,
+    e.g. "0-2") in main of ddp_train.py as one group: the ranks spend ~all their time in the same
+    sleep, but one caught outside it (in backward, say) is a second group. Returns the last stdout;
+    the caller asserts on it."""
+    one = re.compile(rf"^ranks {re.escape(ranks)} \(node1, node2, node3\): main \(ddp_train\.py:\d+\)", re.M)
+    for _ in range(tries):
+        p = stacks()
+        assert p.returncode == 0, p.stdout + p.stderr
+        if one.search(p.stdout):
+            break
+    assert one.search(p.stdout), p.stdout + p.stderr
+    return p.stdout + p.stderr

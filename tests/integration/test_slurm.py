@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nodeops import sandbox
-from tests.integration.conftest import NODEOPS, ROOT, own_sandbox, wheelhouse
+from tests.integration.conftest import NODEOPS, ROOT, one_group_stacks, own_sandbox, wheelhouse
 
 NAME = f"pytestslurm{os.getpid()}"
 SUBNET = "10.220.0.0/24"
@@ -384,13 +384,7 @@ def test_stacks_of_a_running_slurm_job_then_of_an_ended_one(cluster: sandbox.San
             assert doc["groups"][0]["frames"][0]["func"] == "main", doc["groups"][0]
             if method == "signal":
                 assert {m["method"] for m in doc["methods"].values()} == {"signal"}
-        one_group = re.compile(r"^ranks 0-3 \(node1, node2, node3\): main \(ddp_train\.py:\d+\)", re.M)
-        for _ in range(3):  # as above: a rank caught outside its sleep (in backward, say) is a second group
-            human = nodeops("stacks", run_id)
-            assert human.returncode == 0, human.stdout + human.stderr
-            if one_group.search(human.stdout):
-                break
-        assert one_group.search(human.stdout), human.stdout + human.stderr
+        one_group_stacks(lambda: nodeops("stacks", run_id), "0-3")
         assert not [n for n in run_dir_listing(cluster, run_id) if n.startswith("stacks-out")]
     finally:
         nodeops("stop", run_id)

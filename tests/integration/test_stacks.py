@@ -12,6 +12,7 @@ import pytest
 
 from nodeops import sandbox
 
+from .conftest import one_group_stacks
 from .test_launch import CLEAN, _cli, controller_leftovers, launch, no_leftovers_within, variant_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -100,14 +101,8 @@ def test_stacks_of_a_healthy_run_then_of_a_finished_one(
         for frame in answers.values():
             assert (frame["func"], Path(frame["file"]).name) == ("main", "ddp_train.py"), answers
         assert answers["auto"]["line"] == answers["signal"]["line"], answers
-        one_group = re.compile(r"^ranks 0-2 \(node1, node2, node3\): main \(ddp_train\.py:\d+\)", re.M)
-        for _ in range(3):  # as above: a rank caught outside its sleep (in backward, say) is a second group
-            human = _cli("stacks", run_id)
-            assert human.returncode == 0, human.stdout + human.stderr
-            if one_group.search(human.stdout):
-                break
-        assert one_group.search(human.stdout), human.stdout + human.stderr
-        assert "method: " in human.stderr and "raw dumps: " in human.stderr
+        human = one_group_stacks(lambda: _cli("stacks", run_id), "0-2")
+        assert "method: " in human and "raw dumps: " in human
     finally:
         _cli("stop", run_id)
     assert no_leftovers_within(sandbox_cluster, 10) == CLEAN

@@ -348,7 +348,12 @@ def run_gate(run: Path, *logs: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.skipif(not Path("/usr/bin/python3").exists(), reason="needs the system's python3")
 def test_the_shipped_gate_judges_on_a_node_without_nodeops(tmp_path: Path) -> None:
     run = gate_dir(tmp_path)
-    assert run_gate(run).returncode == 2  # no document: the measurement gave no result
+    none = run_gate(run)  # no document (waited for 10 s: a shared filesystem may show it late)
+    assert none.returncode == 2 and "the measurement gave no result" in none.stdout, none.stdout + none.stderr
+    (run / "fabric.doc.json").write_text(json.dumps({"world": 3}))  # garbled: the gate breaks, no verdict
+    broken = run_gate(run)
+    assert broken.returncode == 3 and "nodeops: fabric: the gate failed: KeyError" in broken.stdout, broken.stdout
+    assert not (run / "fabric.report.json").exists()
     logs = tmp_path / "logs"
     logs.mkdir()
     (logs / "b.log").write_text("[rank1]:b:1:1 [0] NCCL INFO NET/Socket : Using [0]eth1:10.0.0.2<0>\n")

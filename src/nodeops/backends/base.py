@@ -184,10 +184,12 @@ class Backend(abc.ABC):
         raise NotImplementedError
 
     def run_probe(self, loaded: LoadedSpec, spec_path: Path, probe: RunFile, args: Sequence[str], sink: Sink, *,
-                  env: Mapping[str, str], emit: Callable[[str, str], None], run_id: str) -> None:  # fmt: skip
+                  env: Mapping[str, str], emit: Callable[[str, str], None], run_id: str,
+                  seconds: float) -> None:  # fmt: skip
         """A measurement as an ordinary torchrun run of ``probe`` (shipped into the run's dir)
         with ``args``: the spec's env file, Python env and ports, ``env`` on top of them, every
-        log line to ``emit`` (not ``sink.line``); followed to its end (Ctrl-C stops it). Raises
+        log line to ``emit`` (not ``sink.line``); followed to its end (Ctrl-C stops it).
+        ``seconds``: its budget (a scheduler's time limit is made from it). Raises
         :class:`nodeops.errors.ExitWith` unless it ends in success. Only where ``capabilities.fabric``."""
         raise NotImplementedError
 

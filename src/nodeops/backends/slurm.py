@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import secrets
 import tempfile
@@ -192,6 +193,9 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
                        f"first step; no training rank was started (skip with --no-check)")  # fmt: skip
     if (st.result or {}).get("fabric"):
         keep_verdict(job, st, EXIT_FAILURE, None)
+        if (st.result or {}).get("fabric") == "error":
+            for line in logs_tail(job).get("batch", [])[-10:]:
+                sink.note(f"    batch | {line}")
         report = (st.result or {}).get("fabric_report")
         if isinstance(report, dict):
             with contextlib.suppress(KeyError, TypeError, ValueError):  # a report that does not read: said below
@@ -560,10 +564,18 @@ class SlurmBackend(Backend):
         return s.nodes, [per_node] * s.nodes  # Slurm names the nodes once the job runs
 
     def run_probe(self, loaded: LoadedSpec, spec_path: Path, probe: RunFile, args: Sequence[str], sink: Sink, *,
-                  env: Mapping[str, str], emit: Callable[[str, str], None], run_id: str) -> None:  # fmt: skip
-        """The probe as a job of its own (one allocation, no preflight step), never requeued."""
+                  env: Mapping[str, str], emit: Callable[[str, str], None], run_id: str,
+                  seconds: float) -> None:  # fmt: skip
+        """The probe as a job of its own (one allocation, no preflight step): never requeued, no
+        time-limit signal, a time limit of its own (start-up and the budget, not the training's
+        hours), and none of sbatch_extra's waits (begin, dependency, hold)."""
         s = loaded.spec
-        once = s.slurm.model_copy(update={"max_requeues": 0}) if s.slurm is not None else None
+        once = None
+        if s.slurm is not None:
+            waits = ("begin", "dependency", "hold")
+            extra = {k: v for k, v in s.slurm.sbatch_extra.items() if k.removeprefix("--") not in waits}
+            once = s.slurm.model_copy(update={"max_requeues": 0, "signal": None, "sbatch_extra": extra,
+                                              "time": str(max(10, math.ceil((seconds + 300) / 60)))})  # fmt: skip
         job_loaded = dataclasses.replace(loaded, spec=s.model_copy(update={"slurm": once}))
         files = {**run_files(job_loaded), probe.name: probe.content, slurm.RUN_ENV: slurm.env_lines(env)}
         job = submit_run(job_loaded, spec_path, [probe.name, *args], files, sink, run_id, "a measurement",

@@ -538,7 +538,7 @@ class SshBackend(Backend):
         return [s.alias(n) for n in ranked], [len(n.gpus) if isinstance(n.gpus, list) else 0 for n in ranked]
 
     def run_probe(self, loaded: LoadedSpec, spec_path: Path, probe: RunFile, args: Sequence[str], sink: Sink, *,
-                  env: Mapping[str, str], emit: Emit, run_id: str) -> None:  # fmt: skip
+                  env: Mapping[str, str], emit: Emit, run_id: str, seconds: float) -> None:  # fmt: skip
         # every node is measured, spares too, once: a probe is never restarted
         nodes = [n.model_copy(update={"spare": False}) for n in loaded.spec.nodes]
         every = dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"nodes": nodes}))

@@ -34,7 +34,7 @@ def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, sink: Sink, 
     pairs = len(fabric.ring_pairs(n))
     sink.note(f"==> fabric: all-reduce over {n} node(s) and {pairs} node pair(s), {seconds:g}s budget (run {run_id})")
     try:
-        backend.run_probe(as_torchrun, spec_path, probe, args, sink, emit=collector, run_id=run_id,
+        backend.run_probe(as_torchrun, spec_path, probe, args, sink, emit=collector, run_id=run_id, seconds=seconds,
                           env={"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"})  # fmt: skip
     except ExitWith as e:
         if e.exit_code == 130:  # Ctrl-C: the run is stopped everywhere; so is check
