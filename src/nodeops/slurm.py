@@ -140,7 +140,11 @@ def batch_script(loaded: LoadedSpec) -> str:
 
 
 def env_lines(env: Mapping[str, str]) -> str:
-    """A run's own env as the batch script sources it (``RUN_ENV``)."""
+    """A run's own env as the batch script sources it (``RUN_ENV``); a name that is not one is
+    refused (ValueError), values are quoted for bash."""
+    bad = [k for k in env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+    if bad:
+        raise ValueError(f"not environment variable names: {bad}")
     return "".join(f"export {k}={sh_word(v)}\n" for k, v in sorted(env.items()))
 
 

@@ -26,7 +26,7 @@ import yaml
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from nodeops import quoting
+from nodeops import quoting, slurm
 from nodeops.errors import SpecError
 from nodeops.render import controller_path, inventory, ssh_config
 from nodeops.spec_load import load_spec_text
@@ -90,6 +90,33 @@ def test_sh_word_arrives_exactly(values: list[str], tmp_path_factory: pytest.Tem
     out = bash("printf '%s\\0' " + " ".join(quoting.sh_word(v) for v in values))
     assert nul_split(out) == values
     assert not sentinel.exists()
+
+
+@given(names=st.lists(st.sampled_from(["NCCL_DEBUG", "A", "_x1", "NCCL_DEBUG_SUBSYS"]), min_size=1, max_size=4,
+                      unique=True), data=st.data())  # fmt: skip
+@SETTINGS
+def test_slurm_run_env_sources_to_exact_values(
+    names: list[str], data: st.DataObject, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A Slurm run's own env (slurm.env_lines, the run dir's run.env), sourced by a real bash as
+    the batch script does: every value arrives exactly, nothing runs."""
+    sentinel = tmp_path_factory.mktemp("s") / "ran"
+    env = {n: data.draw(hostile(sentinel)) for n in names}
+    if any("\0" in v for v in env.values()):
+        with pytest.raises(quoting.QuotingError):
+            slurm.env_lines(env)
+        return
+    f = tmp_path_factory.mktemp("run") / "run.env"
+    f.write_text(slurm.env_lines(env))
+    out = bash(f". {quoting.sh_word(str(f))}; printf '%s\\0' " + " ".join(f'"${n}"' for n in names))
+    assert nul_split(out) == [env[n] for n in names]
+    assert not sentinel.exists()
+
+
+def test_slurm_run_env_refuses_what_is_not_a_name() -> None:
+    for bad in ("A B", "X;touch y", "1A", "", "A=B", "$(x)"):
+        with pytest.raises(ValueError, match="not environment variable names"):
+            slurm.env_lines({bad: "v"})
 
 
 def expected_expansion(value: str, env: dict[str, str]) -> str:

@@ -169,6 +169,12 @@ def report_hang(job: store.Job, st: slurm.Poll, hang: dict[str, Any], sink: Sink
         sink.note(f"    every rank's stack: {where} (could not copy it here)")
 
 
+def note_batch(sink: Sink, lines: list[str]) -> None:
+    """The batch log's last lines, where a verdict has no node to blame."""
+    for line in lines[-10:]:
+        sink.note(f"    batch | {line}")
+
+
 def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     """Report a finished job like an ssh run: the node whose failure started it and its last lines."""
     if slurm.outcome(st) == "ok":
@@ -180,22 +186,21 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
         raise ExitWith(130, f"==> run {job.run_id}: job {slurm_id(job)} was cancelled")
     pre_rows = (st.result or {}).get("preflight_rows")
     if (st.result or {}).get("preflight") == "error":
-        keep_verdict(job, st, EXIT_FAILURE, None)
-        for line in logs_tail(job).get("batch", [])[-10:]:
-            sink.note(f"    batch | {line}")
+        keep_verdict(job, st, EXIT_FAILURE)
+        note_batch(sink, logs_tail(job).get("batch", []))
         raise ExitWith(EXIT_FAILURE, f"==> run {job.run_id}: job {slurm_id(job)}: {slurm.preflight_failure(st)}")
     if (st.result or {}).get("preflight"):
-        keep_verdict(job, st, EXIT_FAILURE, None)
+        keep_verdict(job, st, EXIT_FAILURE)
         for r in pre_rows or []:
             sink.note(f"{r.get('host')}: {r.get('check')}: {r.get('detail')}")
         hosts = ", ".join(dict.fromkeys(str(r.get("host")) for r in pre_rows or [])) or "a node"
         raise ExitWith(EXIT_FAILURE, f"==> run {job.run_id}: preflight failed on {hosts} in job {slurm_id(job)}'s "
                        f"first step; no training rank was started (skip with --no-check)")  # fmt: skip
     if (st.result or {}).get("fabric"):
-        keep_verdict(job, st, EXIT_FAILURE, None)
-        if (st.result or {}).get("fabric") == "error":
-            for line in logs_tail(job).get("batch", [])[-10:]:
-                sink.note(f"    batch | {line}")
+        keep_verdict(job, st, EXIT_FAILURE)
+        if (st.result or {}).get("fabric") == "error":  # no verdict: what the batch log said
+            note_batch(sink, logs_tail(job).get("batch", []))
+            raise ExitWith(EXIT_FAILURE, f"==> run {job.run_id}: job {slurm_id(job)}: {slurm.fabric_failure(st)}")
         report = (st.result or {}).get("fabric_report")
         if isinstance(report, dict):
             with contextlib.suppress(KeyError, TypeError, ValueError):  # a report that does not read: said below
@@ -221,8 +226,7 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
         if not batch:
             sink.note(f"    no batch log in ~/.nodeops/runs/{job.run_id} on the login node: the job could not "
                       "write there (is that dir on a filesystem every node shares?)")  # fmt: skip
-        for line in batch[-10:]:
-            sink.note(f"    batch | {line}")
+        note_batch(sink, batch)
         raise ExitWith(code, f"==> run {job.run_id} {slurm.describe(st)}: no task's failure was reported")
     host, rc = first
     own, summary = failures.failure_lines(tails.get(host, []))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from nodeops import backends, fabric, store
+from nodeops import backends, fabric, fabric_probe, store
 from nodeops.backends.base import Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.fabric import FabricError, FabricReport
@@ -29,7 +29,7 @@ def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, sink: Sink, 
     run_id = store.new_run_id()
     thresholds = s.network.fabric
     args = fabric.probe_args(names, seconds, thresholds.max_pair_spread, fabric.backend(gpus))
-    probe = RunFile("fabric.py", (Path(fabric.__file__).parent / "fabric_probe.py").read_text(), "0600")
+    probe = RunFile("fabric.py", Path(fabric_probe.__file__).read_text(), "0600")
     collector = fabric.Collector(lambda host, line: sink.note(f"{host} {line}"), verbose)
     pairs = len(fabric.ring_pairs(n))
     sink.note(f"==> fabric: all-reduce over {n} node(s) and {pairs} node pair(s), {seconds:g}s budget (run {run_id})")
