@@ -57,6 +57,7 @@ TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED",
         "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD")  # fmt: skip
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun handles unless told
+STEP_WAIT = 60  # srun --wait: the seconds the other tasks of a step have after one ended
 RESTART_MARK = "nodeops: requeued, restart"  # in each node's log where a requeued run starts
 READ_MAX = 1 << 20  # bytes of one log read per poll
 KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
@@ -130,6 +131,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         workdir=spec.workdir.path if spec.workdir is not None else "~", env_file=env_file(loaded.cluster_name),
         activate=activation(spec, login), env=env, signal=s.signal, max_requeues=s.max_requeues,
         nproc=spec.launch.nproc_per_node or 1, max_restarts=spec.launch.max_restarts, torchrun_extra=extra,
+        step_wait=STEP_WAIT if s.signal is None else s.signal.seconds + STEP_WAIT,
         port_base=PORT_BASE, port_span=PORT_SPAN, restart_mark=RESTART_MARK,
         preflight_in=PREFLIGHT_IN, preflight_out=PREFLIGHT_OUT, preflight_timeout=PREFLIGHT_TIMEOUT,
         probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),

@@ -42,6 +42,9 @@ t = time.monotonic()
 while not got and time.monotonic() - t < 150:
     time.sleep(0.2)
 print(f"rank {r} got {'SIGUSR1' if got else 'nothing'} after {time.monotonic() - t:.0f}s; checkpointing", flush=True)
+# the last rank checkpoints for a while after the others are done: its node must not be cut short
+time.sleep(8 if r == dist.get_world_size() - 1 else 0)
+print(f"rank {r} checkpointed", flush=True)
 sys.exit(0)
 """
 
@@ -399,6 +402,11 @@ def test_time_limit_signal_reaches_the_training_script(cluster: sandbox.Sandbox,
     p = nodeops("launch", str(project / "signal.yaml"), "--attach", "--", "sig_train.py", timeout=240)
     got = re.findall(r"^node\d \[rank(\d+)\]:rank \d+ got SIGUSR1", p.stdout, re.M)
     assert sorted(got) == ["0", "1", "2", "3"], p.stdout[-3000:] + p.stderr[-3000:]
+    # every rank finished its checkpoint: a node whose torchrun ended first did not make srun's
+    # --kill-on-bad-exit stop the others (it used to: a CI run lost a rank that way)
+    done = re.findall(r"^node\d \[rank(\d+)\]:rank \d+ checkpointed", p.stdout, re.M)
+    assert sorted(done) == ["0", "1", "2", "3"], p.stdout[-3000:] + p.stderr[-3000:]
     assert "SIGUSR1 (the time limit is near): forwarding it to torchrun" in p.stdout
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # the run did not finish
     assert "got SIGUSR1 before its time limit" in p.stderr
     assert leftovers(cluster) == {}

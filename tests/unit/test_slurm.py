@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -48,6 +50,59 @@ def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in full and "trap forward USR1" in full
     plain = slurm.batch_script(load_spec(SPECS / "slurm-sandbox.happy.yaml"))
     assert "--signals-to-handle" not in plain and "trap forward" not in plain and "scontrol requeue" not in plain
+
+
+FAKE_TORCHRUN = """#!/bin/bash
+# stands in for torchrun: on USR1 or TERM it takes a moment to end its ranks, then exits 1
+end() { sleep 0.5; echo "$1" > "$NODEOPS_RUN_DIR/ended"; exit 1; }
+trap 'end USR1' USR1
+trap 'end TERM' TERM
+echo "$@" > "$NODEOPS_RUN_DIR/ready"
+if [ -n "${FAKE_EXIT:-}" ]; then exit "$FAKE_EXIT"; fi
+while :; do sleep 0.1; done
+"""
+
+
+def run_task(tmp_path: Path, spec: str, sig: int | None, fake_exit: str = "") -> tuple[int, str]:
+    """The batch script's per-node task, run by a real bash in a session of its own with a
+    stand-in torchrun; ``sig`` goes to every process of it, as slurmstepd signals a step."""
+    task = re.search(r"^task='(.*)'$", slurm.batch_script(load_spec(SPECS / spec)), re.M)
+    assert task is not None
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python").write_text(FAKE_TORCHRUN)
+    (bin_dir / "python").chmod(0o755)
+    for f in ("ready", "ended"):
+        (tmp_path / f).unlink(missing_ok=True)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NODEOPS_RUN_DIR": str(tmp_path),
+           "SLURMD_NODENAME": "node7", "SLURM_JOB_NUM_NODES": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
+           "FAKE_EXIT": fake_exit}  # fmt: skip
+    p = subprocess.Popen(["bash", "-c", task.group(1), "nodeops-task", "42", "0", "train.py", "--lr", "1"],
+                         env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "ready").exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "--rdzv-id=42 --max-restarts=0" in (tmp_path / "ready").read_text()
+    if sig is not None:
+        os.killpg(p.pid, sig)
+    out, _ = p.communicate(timeout=10)
+    return p.returncode, out
+
+
+def test_a_nodes_task_waits_for_torchrun_and_after_the_time_limit_signal_ends_well(tmp_path: Path) -> None:
+    # after SIGUSR1 torchrun's exit 1 only says it ended its ranks: the task exits 0, so that srun's
+    # --kill-on-bad-exit leaves the other nodes' ranks their time to checkpoint
+    rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGUSR1)
+    assert (rc, (tmp_path / "ended").read_text()) == (0, "USR1\n")
+    assert "nodeops: torchrun on node7 ended its ranks after SIGUSR1 (exit 1)" in out
+    # SIGTERM (scancel, --kill-on-bad-exit, the hang watchdog): the task waits for torchrun's own
+    # shutdown and exits with its code
+    for spec in ("slurm-full.happy.yaml", "slurm-sandbox.happy.yaml"):
+        rc, out = run_task(tmp_path, spec, signal.SIGTERM)
+        assert (rc, (tmp_path / "ended").read_text(), out) == (1, "TERM\n", "")
+    # no signal: torchrun's own exit code
+    assert run_task(tmp_path, "slurm-full.happy.yaml", None, fake_exit="3") == (3, "")
+    assert run_task(tmp_path, "slurm-sandbox.happy.yaml", None, fake_exit="0") == (0, "")
 
 
 @pytest.mark.parametrize(
