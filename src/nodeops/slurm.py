@@ -131,7 +131,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         workdir=spec.workdir.path if spec.workdir is not None else "~", env_file=env_file(loaded.cluster_name),
         activate=activation(spec, login), env=env, signal=s.signal, max_requeues=s.max_requeues,
         nproc=spec.launch.nproc_per_node or 1, max_restarts=spec.launch.max_restarts, torchrun_extra=extra,
-        step_wait=STEP_WAIT if s.signal is None else s.signal.seconds + STEP_WAIT,
+        step_wait=STEP_WAIT if s.signal is None else max(STEP_WAIT, s.signal.seconds),
         port_base=PORT_BASE, port_span=PORT_SPAN, restart_mark=RESTART_MARK,
         preflight_in=PREFLIGHT_IN, preflight_out=PREFLIGHT_OUT, preflight_timeout=PREFLIGHT_TIMEOUT,
         probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),
@@ -299,6 +299,16 @@ try:
             out["result"]["hang_report"] = {k: v for k, v in json.load(f).items() if k != "dumps"}
 except (OSError, ValueError, KeyError, TypeError, AttributeError):
     pass
+out["attempts"] = []  # one line per run of the job that ended (a requeue adds one)
+try:
+    with open(os.path.join(d, "attempts.jsonl")) as f:
+        for line in f.read(1 << 20).splitlines():
+            try:
+                out["attempts"].append(json.loads(line))
+            except ValueError:
+                pass
+except OSError:
+    pass
 print(json.dumps(out))
 """
 
@@ -312,6 +322,7 @@ class Poll:
     files: dict[str, tuple[int, int, str]] = field(default_factory=dict)  # name -> (offset, bytes, text)
     result: dict[str, Any] | None = None  # the batch script's result.json: {exit, restart, signal, requeued}
     error: str = ""  # squeue and scontrol both failed: the state is not known (not: the job is gone)
+    attempts: list[dict[str, Any]] = field(default_factory=list)  # attempts.jsonl: each run of the job that ended
 
     @property
     def forgotten(self) -> bool:
@@ -341,7 +352,8 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
         raw = json.loads(p.stdout.strip().splitlines()[-1])
         return Poll(state=raw["state"], reason=raw["reason"], exit=raw["exit"], nodes=raw["nodes"],
                     files={k: (int(v[0]), int(v[1]), str(v[2])) for k, v in raw["files"].items()},
-                    result=raw["result"], error=raw["error"])  # fmt: skip
+                    result=raw["result"], error=raw["error"],
+                    attempts=[a for a in raw.get("attempts") or [] if isinstance(a, dict)])  # fmt: skip
     except (ValueError, KeyError, IndexError, TypeError):
         raise SlurmError(f"cannot read job {job_id} on {login.where}: unexpected output "
                          f"{p.stdout.strip()[-200:]!r}") from None  # fmt: skip
@@ -549,6 +561,34 @@ def hang_of(st: Poll) -> dict[str, Any] | None:
         return None
     report = res.get("hang_report")
     return report if isinstance(report, dict) else {}
+
+
+def attempt_lines(st: Poll) -> list[str]:
+    """Each run of the job (attempts.jsonl: a line when it begins, one when it ends), once it
+    was requeued; else []."""
+    runs: dict[int, dict[str, Any]] = {}
+    for a in st.attempts:
+        if isinstance(a.get("attempt"), int):
+            runs[a["attempt"]] = a  # its last line: the result, when it wrote one
+    if len(runs) < 2 and not any((a.get("result") or {}).get("requeued") for a in runs.values()):
+        return []
+    out = []
+    for n, a in sorted(runs.items()):
+        res = a.get("result")
+        r: dict[str, Any] = res if isinstance(res, dict) else {}
+        if not r:
+            last = n == max(runs)
+            state = f": {st.state}" if last and st.state else ""
+            how = ["running"] if last and st.state in LIVE else [f"ended with no result (Slurm ended it{state})"]
+        else:
+            how = [f"exit {r.get('exit')}"]
+            how += [f"got {r['signal']}"] if r.get("signal") else []
+            how += ["the hang watchdog stopped it"] if r.get("hang") else []
+            how += [f"preflight {r['preflight']}"] if r.get("preflight") else []
+            how += [f"fabric check {r['fabric']}"] if r.get("fabric") else []
+            how.append("requeued" if r.get("requeued") else "not requeued")
+        out.append(f"attempt {n} on {a.get('nodes')}: {', '.join(how)}")
+    return out
 
 
 def describe(st: Poll) -> str:

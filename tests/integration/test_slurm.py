@@ -48,6 +48,21 @@ print(f"rank {r} checkpointed", flush=True)
 sys.exit(0)
 """
 
+# fails on its first run (the last rank exits 3), succeeds once requeued
+REQUEUE_TRAIN = """import os, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+r, n = dist.get_rank(), dist.get_world_size()
+restart = os.environ["NODEOPS_RESTART_COUNT"]
+print(f"rank {r} restart {restart} attempt {os.environ['NODEOPS_ATTEMPT']}", flush=True)
+dist.barrier()
+if restart == "0" and r == n - 1:
+    sys.exit(3)
+dist.barrier()
+print(f"rank {r} done", flush=True)
+dist.destroy_process_group()
+"""
+
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[sandbox.Sandbox]:
@@ -81,6 +96,8 @@ def project(cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathFactory) 
     d = tmp_path_factory.mktemp("slurm-project")
     (d / "ddp_train.py").write_text((ROOT / "examples" / "ddp_train.py").read_text())
     (d / "sig_train.py").write_text(SIG_TRAIN)
+    (d / "requeue_train.py").write_text(REQUEUE_TRAIN)
+    write_spec(cluster, d, "requeue.yaml", "  max_requeues: 1\n")
     spec = write_spec(cluster, d, "cluster.yaml")
     write_spec(cluster, d, "pending.yaml", "  sbatch_extra: {begin: now+8}\n")
     write_spec(cluster, d, "signal.yaml", "  signal: {name: USR1, seconds: 60}\n")
@@ -409,4 +426,29 @@ def test_time_limit_signal_reaches_the_training_script(cluster: sandbox.Sandbox,
     assert "SIGUSR1 (the time limit is near): forwarding it to torchrun" in p.stdout
     assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]  # the run did not finish
     assert "got SIGUSR1 before its time limit" in p.stderr
+    assert leftovers(cluster) == {}
+
+
+@pytest.mark.slow
+def test_a_requeued_job_tells_its_ranks_the_restart_and_shows_each_attempt(
+    cluster: sandbox.Sandbox, project: Path
+) -> None:
+    # max_requeues: 1; the first run fails (rank 3 exits 3), the batch script requeues the job, and
+    # its second run (the same job id) finishes
+    p = nodeops("launch", str(project / "requeue.yaml"), "--", "requeue_train.py", timeout=480)
+    out = p.stdout[-4000:] + p.stderr[-4000:]
+    assert p.returncode == 0, out
+    assert len(set(re.findall(r"submitted Slurm job (\d+)", p.stderr))) == 1, out
+    second = re.findall(r"^node\d \[rank(\d+)\]:rank \d+ restart 1 attempt 2$", p.stdout, re.M)
+    assert sorted(second) == ["0", "1", "2", "3"], out
+    assert re.search(r"^node\d \[rank3\]:rank 3 restart 0 attempt 1$", p.stdout, re.M), out
+    assert sorted(re.findall(r"^node\d \[rank(\d+)\]:rank \d+ done$", p.stdout, re.M)) == ["0", "1", "2", "3"], out
+    assert "==> 2 attempt(s) of job" in p.stderr, out
+    assert re.search(r"attempt 1 on node\[1-3\]: exit [1-9]\d*, requeued", p.stderr), out
+    assert "attempt 2 on node[1-3]: exit 0, not requeued" in p.stderr, out
+    run_id = re.search(r"==> run (\S+): sbatch", p.stderr).group(1)  # type: ignore[union-attr]
+    st = nodeops("status", run_id)
+    assert st.returncode == 0 and "COMPLETED" in st.stdout, st.stdout + st.stderr
+    assert re.search(r"attempt 1 on node\[1-3\]: exit [1-9]\d*, requeued\n.*attempt 2 on node\[1-3\]: exit 0",
+                     st.stdout), st.stdout  # fmt: skip
     assert leftovers(cluster) == {}

@@ -4,6 +4,7 @@ PATH that record what they were given. The live path is tests/integration/test_s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -53,8 +54,10 @@ def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
 
 
 FAKE_TORCHRUN = """#!/bin/bash
-# stands in for torchrun: on USR1 or TERM it takes a moment to end its ranks, then exits 1
-end() { sleep 0.5; echo "$1" > "$NODEOPS_RUN_DIR/ended"; exit 1; }
+# stands in for torchrun: on USR1 or TERM it takes a moment to end its ranks, then exits 1; a
+# second signal would end it at once (as torchrun's shutdown does): it is counted
+n=0
+end() { n=$((n + 1)); echo "$1" >> "$NODEOPS_RUN_DIR/ended"; if [ "$n" -eq 1 ]; then sleep 0.5; exit 1; fi; }
 trap 'end USR1' USR1
 trap 'end TERM' TERM
 echo "$@" > "$NODEOPS_RUN_DIR/ready"
@@ -63,46 +66,105 @@ while :; do sleep 0.1; done
 """
 
 
-def run_task(tmp_path: Path, spec: str, sig: int | None, fake_exit: str = "") -> tuple[int, str]:
+def run_task(tmp_path: Path, spec: str, sig: int | None, *, fake_exit: str = "", cgroup: bool = False,
+             ) -> tuple[int, str]:  # fmt: skip
     """The batch script's per-node task, run by a real bash in a session of its own with a
-    stand-in torchrun; ``sig`` goes to every process of it, as slurmstepd signals a step."""
-    task = re.search(r"^task='(.*)'$", slurm.batch_script(load_spec(SPECS / spec)), re.M)
+    stand-in torchrun. ``sig`` goes to every process of it, as slurmstepd signals a step, or
+    with ``cgroup`` to the task's own process only, as under proctrack/cgroup (the batch script
+    then sets NODEOPS_FORWARD_SIGNALS)."""
+    task = re.search(r"^task='(.*?)'$", slurm.batch_script(load_spec(SPECS / spec)), re.M | re.S)
     assert task is not None
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text(FAKE_TORCHRUN)
     (bin_dir / "python").chmod(0o755)
-    for f in ("ready", "ended"):
+    for f in ("ready", "ended", "signalled/node7"):
         (tmp_path / f).unlink(missing_ok=True)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NODEOPS_RUN_DIR": str(tmp_path),
            "SLURMD_NODENAME": "node7", "SLURM_JOB_NUM_NODES": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
-           "FAKE_EXIT": fake_exit}  # fmt: skip
+           "FAKE_EXIT": fake_exit, "NODEOPS_FORWARD_SIGNALS": "1" if cgroup else ""}  # fmt: skip
     p = subprocess.Popen(["bash", "-c", task.group(1), "nodeops-task", "42", "0", "train.py", "--lr", "1"],
                          env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 10
     while not (tmp_path / "ready").exists() and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "--rdzv-id=42 --max-restarts=0" in (tmp_path / "ready").read_text()
+    time.sleep(0.2)  # the fake's traps are set
     if sig is not None:
-        os.killpg(p.pid, sig)
+        os.kill(p.pid, sig) if cgroup else os.killpg(p.pid, sig)
     out, _ = p.communicate(timeout=10)
     return p.returncode, out
 
 
-def test_a_nodes_task_waits_for_torchrun_and_after_the_time_limit_signal_ends_well(tmp_path: Path) -> None:
-    # after SIGUSR1 torchrun's exit 1 only says it ended its ranks: the task exits 0, so that srun's
-    # --kill-on-bad-exit leaves the other nodes' ranks their time to checkpoint
-    rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGUSR1)
+@pytest.mark.parametrize("cgroup", [False, True])
+def test_a_nodes_task_waits_for_torchrun_and_after_the_time_limit_signal_ends_well(
+    tmp_path: Path, cgroup: bool
+) -> None:
+    # after SIGUSR1 torchrun's exit 1 only says it ended its ranks: the task exits 0 (so that srun's
+    # --kill-on-bad-exit leaves the other nodes' ranks their time to checkpoint) and leaves a mark;
+    # torchrun got the signal exactly once, from Slurm or (cgroup) passed on by the task's bash
+    rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGUSR1, cgroup=cgroup)
     assert (rc, (tmp_path / "ended").read_text()) == (0, "USR1\n")
-    assert "nodeops: torchrun on node7 ended its ranks after SIGUSR1 (exit 1)" in out
-    # SIGTERM (scancel, --kill-on-bad-exit, the hang watchdog): the task waits for torchrun's own
-    # shutdown and exits with its code
+    assert "nodeops: torchrun on node7 ended its ranks after SIGUSR1" in out
+    assert (tmp_path / "signalled" / "node7").exists()
+    # SIGTERM (scancel, the time limit): the task waits for torchrun's own shutdown and exits with its code
     for spec in ("slurm-full.happy.yaml", "slurm-sandbox.happy.yaml"):
-        rc, out = run_task(tmp_path, spec, signal.SIGTERM)
+        rc, out = run_task(tmp_path, spec, signal.SIGTERM, cgroup=cgroup)
         assert (rc, (tmp_path / "ended").read_text(), out) == (1, "TERM\n", "")
-    # no signal: torchrun's own exit code
+        assert not (tmp_path / "signalled" / "node7").exists()
+    # no signal: torchrun's own exit code, whatever it is
     assert run_task(tmp_path, "slurm-full.happy.yaml", None, fake_exit="3") == (3, "")
     assert run_task(tmp_path, "slurm-sandbox.happy.yaml", None, fake_exit="0") == (0, "")
+
+
+def test_the_batch_shell_passes_signals_on_only_under_proctrack_cgroup(tmp_path: Path) -> None:
+    text = slurm.batch_script(load_spec(SPECS / "slurm-full.happy.yaml"))
+    block = re.search(r"^export NODEOPS_FORWARD_SIGNALS=\n.*?^fi\n", text, re.M | re.S)
+    assert block is not None
+    for config, want in [("ProctrackType           = proctrack/cgroup\n", "1"),
+                         ("ProctrackType           = proctrack/linuxproc\n", ""),
+                         ("ProctrackType           = proctrack/pgid\n", ""),
+                         ("ProctrackType = proctrack/cgroup\nSignalChildrenProcesses = yes\n", ""),
+                         ("", "")]:  # fmt: skip
+        (tmp_path / "scontrol").write_text(f"#!/bin/sh\nprintf '%s' '{config}'\n")
+        (tmp_path / "scontrol").chmod(0o755)
+        env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+        p = subprocess.run(["bash", "-c", block.group(0) + 'printf "%s" "$NODEOPS_FORWARD_SIGNALS"'], env=env,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+        assert p.stdout == want, config
+
+
+def test_each_run_of_a_requeued_job_is_kept_and_shown(tmp_path: Path) -> None:
+    text = slurm.batch_script(load_spec(SPECS / "slurm-full.happy.yaml"))
+    fn = re.search(r"^nodeops_result\(\) \{\n.*?^\}\n", text, re.M | re.S)
+    assert fn is not None
+    script = (
+        fn.group(0)
+        + """
+restart=0; nodeops_result null
+nodeops_result '{"exit": %d, "restart": %d, "signal": "%s", "requeued": true, "hang": %s}' 3 0 "" false
+restart=1; nodeops_result null
+nodeops_result '{"exit": %d, "restart": %d, "signal": "%s", "requeued": false, "hang": %s}' 0 1 SIGUSR1 false
+"""
+    )
+    env = {**os.environ, "run_dir": str(tmp_path), "SLURM_JOB_NODELIST": "gpu[01-03]"}
+    subprocess.run(["bash", "-euc", script], env=env, check=True)
+    lines = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    assert [a["attempt"] for a in lines] == [1, 1, 2, 2] and lines[1]["result"]["exit"] == 3
+    assert lines[0]["result"] is None and json.loads((tmp_path / "result.json").read_text()) == lines[3]["result"]
+    st = slurm.Poll(state="COMPLETED", reason="", exit="0:0", nodes="gpu[01-03]", result=lines[3]["result"],
+                    attempts=lines)  # fmt: skip
+    assert slurm.attempt_lines(st) == ["attempt 1 on gpu[01-03]: exit 3, requeued",
+                                       "attempt 2 on gpu[01-03]: exit 0, got SIGUSR1, not requeued"]  # fmt: skip
+    # a run Slurm ended before it wrote its result (a time limit), and one still running
+    ended = dataclasses.replace(st, state="TIMEOUT", attempts=lines[:3])
+    assert slurm.attempt_lines(ended)[1] == "attempt 2 on gpu[01-03]: ended with no result (Slurm ended it: TIMEOUT)"
+    running = dataclasses.replace(st, state="RUNNING", attempts=lines[:3])
+    assert slurm.attempt_lines(running)[1] == "attempt 2 on gpu[01-03]: running"
+    # a job that never requeued lists no attempts
+    assert slurm.attempt_lines(dataclasses.replace(st, attempts=lines[2:])) == []
+    # the ranks see which run this is
+    assert "export NODEOPS_RESTART_COUNT=$restart NODEOPS_ATTEMPT=$((restart + 1))" in text
 
 
 @pytest.mark.parametrize(

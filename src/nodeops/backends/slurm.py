@@ -177,6 +177,11 @@ def note_batch(sink: Sink, lines: list[str]) -> None:
 
 def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     """Report a finished job like an ssh run: the node whose failure started it and its last lines."""
+    attempts = slurm.attempt_lines(st)
+    if attempts:
+        sink.note(f"==> {len(attempts)} attempt(s) of job {slurm_id(job)} (slurm.max_requeues):")
+        for line in attempts:
+            sink.note(f"    {line}")
     if slurm.outcome(st) == "ok":
         keep_verdict(job, st, 0)
         sink.note(f"==> run {job.run_id} finished: job {slurm_id(job)} {slurm.describe(st)}")
@@ -595,6 +600,8 @@ class SlurmBackend(Backend):
         if st.forgotten and last_state_of(job) in slurm.TERMINAL and st.result is None:
             st.state = last_state_of(job)  # Slurm has forgotten it: the last (final) state seen here
         sink.out(f"job {slurm_id(job):10} {slurm.describe(st)}")
+        for line in slurm.attempt_lines(st):
+            sink.out(f"  {line}")
         if st.error or (st.state and st.state not in slurm.LIVE and st.state != "COMPLETED"):
             raise ExitWith(EXIT_FAILURE)
         if not st.state and slurm.exit_code(st) != 0:
