@@ -106,8 +106,12 @@ def main() -> int:
     print(f"final param hash {digest[:16]}", flush=True)
     # Every rank reaches this point before any tears gloo down: a rank that destroys its
     # process group while a peer's gloo thread still talks to it can abort the peer
-    # ("terminate called without an active exception") and fail a run that was done.
+    # ("terminate called without an active exception") and fail a run that was done. The
+    # barrier alone is not enough (gloo's own open issue 155: a barrier then teardown can
+    # still fail a peer whose last writes are in flight; seen once on the Slurm sandbox):
+    # give them a moment to drain first.
     dist.barrier()
+    time.sleep(1.0)
     dist.destroy_process_group()
     return 0
 
