@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from nodeops.launch import mpi_split as M
 from nodeops.launch import protocol as P
 
 TAIL_LINES = 200  # torchrun's failure summary and shutdown alone is ~40 lines; keep the rank's last words too
@@ -47,29 +48,17 @@ class HostState:
 # Signals.SIGTERM death signal, shutting down workers"); its SignalException traceback follows.
 TEARDOWN_LINE = re.compile(r"death signal, shutting down workers")
 
-_MPI_TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
-_MPI_FIRST = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
-_MPI_EXIT = re.compile(r"Exit code:\s+(-?\d+)")
-
-
-def mpi_pieces(line: str) -> tuple[str, list[tuple[int, str]]]:
-    """Open MPI's --tag-output pieces of one physical line: the untagged text before the first
-    tag, and (rank, text) for each tagged piece."""
-    parts = _MPI_TAG.split(line)
-    return parts[0], [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
-
 
 def blame_mpi_rank(root: HostState, rank_tails: dict[int, deque[str]], rank_hosts: Sequence[str]) -> HostState:
     """mpirun reports the first rank that failed ("Process name: [[job,1],R]", "Exit code: N"):
     name that rank's own host, with that rank's own lines, instead of mpirun's host."""
-    text = "\n".join(root.tail)
-    m, code = _MPI_FIRST.search(text), _MPI_EXIT.search(text)
-    if not m or not rank_hosts:
+    failed = M.first_failure("\n".join(root.tail))
+    if failed is None or not rank_hosts:
         return root
-    rank = int(m.group(1))
+    rank, code = failed
     host = rank_hosts[rank] if rank < len(rank_hosts) else root.host
     st = HostState(f"{host} [rank{rank}]")
-    st.exit_code = int(code.group(1)) if code else root.exit_code
+    st.exit_code = root.exit_code if code is None else code
     st.tail.extend(rank_tails.get(rank, []))
     st.ended_at = root.ended_at
     return st

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from nodeops.errors import SandboxError
 
-PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge", "openmpi-bin")
 IMAGE_REPO = "nodeops-sandbox-slurm"
 PARTITION = "main"
 KILL_WAIT = 10  # seconds between scancel's SIGTERM and SIGKILL (Slurm's default is 30)

@@ -27,6 +27,7 @@ from typing import Any
 
 from nodeops import check_rules, failures, probe
 from nodeops.errors import NodeopsError
+from nodeops.launch import mpi_split
 from nodeops.launch import slurm_watch as W
 from nodeops.quoting import sh_path, sh_run_word, sh_word
 from nodeops.render import activation
@@ -60,6 +61,8 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun handles unles
 STEP_WAIT = 60  # srun --wait: the seconds the other tasks of a step have after one ended
 RESTART_MARK = "nodeops: requeued, restart"  # in each node's log where a requeued run starts
 READ_MAX = 1 << 20  # bytes of one log read per poll
+MPI_SPLIT = "mpi_split.py"  # runner mpirun: in the run dir, each rank's lines into its node's log
+MPI_SHIM = "mpi_shim.sh"  # runner mpirun: in the run dir, Open MPI's rank variables -> env:// names
 KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
 
 
@@ -137,7 +140,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),
         watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH, run_env=RUN_ENV,
         fabric_args=FABRIC_ARGS, fabric_config=FABRIC_CONFIG, fabric_doc=FABRIC_DOC, fabric_report=FABRIC_REPORT,
-        fabric_timeout=FABRIC_TIMEOUT,
+        fabric_timeout=FABRIC_TIMEOUT, runner=spec.launch.runner, mpi_split=MPI_SPLIT, mpi_shim=MPI_SHIM,
     ))  # fmt: skip
 
 
@@ -482,7 +485,12 @@ def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tup
     ended badly ("Exited with exit code N", or "Terminated" once --kill-on-bad-exit stopped
     it), but not in causal order: a node whose ranks lost a peer can exit first. The same rule
     as ssh runs (failures.root_cause) picks among them: a node whose own rank failed beats one whose
-    ranks report a lost peer, then the earliest."""
+    ranks report a lost peer, then the earliest. Under mpirun, mpirun names the first rank that
+    failed itself (mpi_split.py's line in the batch log), and that is the answer."""
+    for line in batch_lines:  # runner mpirun: mpirun itself names the first rank that failed (mpi_split.py)
+        m = mpi_split.FAILURE.match(line)
+        if m is not None:
+            return m.group(2), int(m.group(3)) or 1
     states: dict[str, failures.HostState] = {}
     for i, line in enumerate(batch_lines):
         m = _SRUN_TASK.match(line)

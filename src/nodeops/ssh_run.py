@@ -32,11 +32,11 @@ from nodeops.failures import (
     blame_peers,
     exit_code_for,
     failure_code,
-    mpi_pieces,
     pdsh_split,
     root_cause,
 )
 from nodeops.interrupts import ignoring_interrupts
+from nodeops.launch import mpi_split
 from nodeops.launch import protocol as P
 from nodeops.launch import stacks as S
 from nodeops.quoting import sh_word
@@ -382,7 +382,7 @@ def follow(
                 prefixed = pdsh_split(line, addresses or {})
                 if prefixed is not None:
                     remote_tails.setdefault(prefixed[0], deque(maxlen=TAIL_LINES)).append(prefixed[1])
-                for rank, text in mpi_pieces(line)[1] if rank_hosts else ():
+                for rank, text in mpi_split.pieces(line)[1] if rank_hosts else ():
                     rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
 
     if threading.current_thread() is threading.main_thread():

@@ -29,7 +29,10 @@ HASH = re.compile(r"^(node\d) \[rank(\d+)\]:final param hash ([0-9a-f]+)$", re.M
 PLACED = re.compile(r"^(node\d) \[rank(\d+)\]:rank \d+/(\d+) on (node\d)", re.M)
 # what a job leaves on a node if it is not stopped: the ranks, torchrun, srun and the step daemon
 # (the hang watchdog and the stacks step's collector too)
-LEFTOVER = re.compile(r"torch\.distributed\.run|ddp_train|sig_train|fabric\.py|srun |slurmstepd|watch\.py|stacks\.py")
+LEFTOVER = re.compile(
+    r"torch\.distributed\.run|ddp_train|sig_train|fabric\.py|srun |slurmstepd|watch\.py|stacks\.py"
+    r"|mpirun|orted|mpi_split"
+)
 
 SIG_TRAIN = """import signal, sys, time
 import torch.distributed as dist
@@ -98,6 +101,8 @@ def project(cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathFactory) 
     (d / "sig_train.py").write_text(SIG_TRAIN)
     (d / "requeue_train.py").write_text(REQUEUE_TRAIN)
     write_spec(cluster, d, "requeue.yaml", "  max_requeues: 1\n")
+    mpirun = write_spec(cluster, d, "mpirun.yaml")
+    mpirun.write_text(mpirun.read_text() + "launch:\n  runner: mpirun\n")
     spec = write_spec(cluster, d, "cluster.yaml")
     write_spec(cluster, d, "pending.yaml", "  sbatch_extra: {begin: now+8}\n")
     write_spec(cluster, d, "signal.yaml", "  signal: {name: USR1, seconds: 60}\n")
@@ -143,6 +148,39 @@ def test_ddp_on_uneven_gpus_every_rank_agrees(cluster: sandbox.Sandbox, project:
     assert "COMPLETED" in p.stderr
     # the job's first step was the preflight, on every node of the allocation
     assert "nodeops: preflight ok on 3 node(s)" in p.stdout, p.stdout[-3000:]
+    assert leftovers(cluster) == {}
+
+
+def test_mpirun_on_slurm_every_rank_agrees_then_a_failing_rank_names_its_node(
+    cluster: sandbox.Sandbox, project: Path
+) -> None:
+    """runner: mpirun: Open MPI's mpirun in the batch script, its daemons started through srun,
+    one rank per GPU Slurm gave each node (2+1+1); each rank's lines land in its own node's log."""
+    p = nodeops("launch", str(project / "mpirun.yaml"), "--", "ddp_train.py", "--steps", "5")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "nodeops: mpirun: 4 rank(s) on 3 node(s) (ranks per node: 2,1,1)" in p.stdout, p.stdout[-3000:]
+    assert "nodeops: preflight ok on 3 node(s)" in p.stdout  # it found mpirun on every node
+    placed = PLACED.findall(p.stdout)
+    assert sorted(int(r) for _, r, _, _ in placed) == [0, 1, 2, 3], p.stdout[-3000:]
+    assert {w for _, _, w, _ in placed} == {"4"}
+    assert {n: sum(1 for h, *_ in placed if h == n) for n in ("node1", "node2", "node3")} == {
+        "node1": 2, "node2": 1, "node3": 1}  # fmt: skip
+    assert all(host == where for host, _, _, where in placed)  # the prefix names the rank's own node
+    hashes = HASH.findall(p.stdout)
+    assert len(hashes) == 4 and len({h for _, _, h in hashes}) == 1, hashes
+    assert "nodeops: mpirun exited 0" in p.stdout and "COMPLETED" in p.stderr
+    assert leftovers(cluster) == {}
+
+    p = nodeops("launch", str(project / "mpirun.yaml"), "--", "ddp_train.py", "--steps", "200", "--sleep", "0.1",
+                "--fail-rank", "2", "--fail-step", "3")  # fmt: skip
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    host = next(h for h, r, _, _ in PLACED.findall(p.stdout) if r == "2")
+    assert f"nodeops: mpirun: first failure: rank 2 on {host} (exit code 1)" in p.stdout, p.stdout[-3000:]
+    assert f"first failure on {host} (exit code 1)" in p.stderr, p.stderr[-3000:]
+    assert f"{host} [rank2]:rank 2: failing on purpose at step 3" in p.stderr
+    assert "mpirun stopped every other rank" in p.stderr
+    st = nodeops("status")
+    assert st.returncode == 1 and "FAILED" in st.stdout, st.stdout + st.stderr
     assert leftovers(cluster) == {}
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeops import launchers, starter
+from nodeops.launch import mpi_split
 from nodeops.spec_load import load_spec_text
 
 SPEC = """
@@ -168,7 +169,7 @@ def test_mpirun_failure_names_the_failing_ranks_own_host_and_lines() -> None:
     ])  # fmt: skip
     rank_tails: dict[int, deque[str]] = {}
     for line in root.tail:
-        for rank, text in failures.mpi_pieces(line)[1]:
+        for rank, text in mpi_split.pieces(line)[1]:
             rank_tails.setdefault(rank, deque()).append(text)
     blamed = failures.blame_mpi_rank(root, rank_tails, ["node1", "node2", "node3"])
     assert (blamed.host, blamed.exit_code, list(blamed.tail)) == ("node3 [rank2]", 1, ["FAILING on purpose"])

@@ -15,10 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from nodeops import check, check_rules, errors, fabric, fabric_probe, failures, probe, slurm, store
+from nodeops import check, check_rules, errors, fabric, fabric_probe, failures, launchers, probe, slurm, store
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import deferred_interrupts, ignoring_interrupts, sigterm_as_interrupt
+from nodeops.launch import mpi_split
 from nodeops.launch import slurm_watch as W
 from nodeops.launch import stacks as S
 from nodeops.quoting import sh_word
@@ -215,8 +216,9 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     hang = slurm.hang_of(st)
     if hang is not None:
         report_hang(job, st, hang, sink)
+        how = "mpirun ended every rank" if job.runner == "mpirun" else "srun ended torchrun on every node"
         raise ExitWith(failures.HUNG_EXIT, f"==> the hang watchdog stopped job {slurm_id(job)}'s training step "
-                       f"(srun passed SIGTERM to torchrun on every node): {slurm.describe(st)}")  # fmt: skip
+                       f"(SIGTERM; {how}): {slurm.describe(st)}")  # fmt: skip
     tails = logs_tail(job)
     batch = tails.pop("batch", [])
     code = slurm.exit_code(st, batch, tails)
@@ -239,8 +241,12 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
               f"(exit code {rc}); its last lines:")  # fmt: skip
     for line in own or summary:
         sink.note(f"    {host} {line}")
-    raise ExitWith(code, f"==> srun stopped every other node's ranks (--kill-on-bad-exit); "
-                   f"`nodeops logs {job.run_id}` has it all")  # fmt: skip
+    who = (
+        "mpirun stopped every other rank"
+        if job.runner == "mpirun"
+        else "srun stopped every other node's ranks (--kill-on-bad-exit)"
+    )
+    raise ExitWith(code, f"==> {who}; `nodeops logs {job.run_id}` has it all")
 
 
 # --------------------------------------------------------------------------- the preflight: one srun step
@@ -277,8 +283,11 @@ def preflight_input(loaded: LoadedSpec, script: str | None) -> str:
 def run_files(loaded: LoadedSpec) -> dict[str, str]:
     """What `nodeops stacks` and the hang watchdog need in the run dir (the batch script uses
     each only where it is there): stacks.py, the ranks' stack hook, and with a hang timeout the
-    watchdog and its config."""
+    watchdog and its config; for runner mpirun, the MPI shim and mpirun's output splitter."""
     files = {"stacks.py": Path(S.__file__).read_text(), f"{S.HOOK_DIR}/sitecustomize.py": S.HOOK}
+    if loaded.spec.launch.runner == "mpirun":
+        files[slurm.MPI_SPLIT] = Path(mpi_split.__file__).read_text()
+        files[slurm.MPI_SHIM] = launchers.mpi_shim()
     timeout = loaded.spec.launch.hang_timeout
     if timeout:
         files["watch.py"] = Path(W.__file__).read_text()
@@ -453,7 +462,7 @@ def submit_run(loaded: LoadedSpec, spec_path: Path, argv: Sequence[str], files: 
             why = str(e)
         if job_id:
             job = store.Job(run_id=run_id, dir=local, hosts=[login.host or "localhost"], argv=list(argv),
-                            runner="torchrun", chief=login.host or "localhost",
+                            runner=loaded.spec.launch.runner, chief=login.host or "localhost",
                             spec=str(spec_path.resolve()), started=time.time(), backend="slurm",
                             handle={"job_id": job_id, "login": login.host or ""})  # fmt: skip
             job.save()
@@ -491,7 +500,7 @@ class Emitting:
 class SlurmBackend(Backend):
     name: ClassVar[str] = "slurm"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        runners=frozenset({"torchrun"}), detach=True, via_ansible=False,
+        runners=frozenset({"torchrun", "mpirun"}), detach=True, via_ansible=False,
         script=False, fabric=True, sync=True, preflight=False, hang=True, stacks=True, fabric_check=True,
         fabric_check_in_job=True,
     )  # fmt: skip

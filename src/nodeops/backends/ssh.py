@@ -20,6 +20,7 @@ from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, 
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.fabric import FabricError
 from nodeops.interrupts import ignoring_interrupts, sigterm_as_interrupt
+from nodeops.launch import mpi_split
 from nodeops.launch import protocol as P
 from nodeops.launch import recovery as R
 from nodeops.launch import stacks as S
@@ -39,21 +40,15 @@ def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None, emit_line:
     prefixes each node's lines with `ADDRESS: `) the node's own host name."""
     if not rank_hosts and not pdsh_hosts:
         return emit_line
-    pending: dict[int, str] = {}
+    lines = mpi_split.Lines()
 
     def emit(host: str, line: str) -> None:
-        head, pieces = failures.mpi_pieces(line) if rank_hosts else ("", [])
-        if pieces:
-            # Open MPI tags every chunk a rank writes, so one physical line can hold the pieces of
-            # several ranks' lines ("[1,1]<stdout>:a[1,0]<stdout>:b"); the newline that ends the
-            # physical line belongs to its last piece. Reassemble each rank's lines.
-            if head:
-                emit_line(host, head)
-            for n, (rank, text) in enumerate(pieces):
-                pending[rank] = pending.get(rank, "") + text
-                if n == len(pieces) - 1:
-                    out = pending.pop(rank)
-                    emit_line(rank_hosts[rank] if rank < len(rank_hosts) else host, f"[rank{rank}]:{out}")
+        if rank_hosts and mpi_split.TAG.search(line):  # one physical line: pieces of several ranks' lines
+            for rank, text in lines.feed(line):
+                if rank is None:
+                    emit_line(host, text)
+                else:
+                    emit_line(rank_hosts[rank] if rank < len(rank_hosts) else host, f"[rank{rank}]:{text}")
             return
         prefixed = failures.pdsh_split(line, pdsh_hosts or {})
         if prefixed is not None:

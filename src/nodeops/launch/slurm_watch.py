@@ -9,8 +9,9 @@ grew, or the script touched ``$NODEOPS_PROGRESS_FILE`` (``RUN_DIR/progress``). A
 the timeout: every rank's stack, from one ``srun --overlap`` task per node running stacks.py
 (each node's answer in ``hang/NODE.out``, so no line passes through srun's 1,024-byte messages);
 the verdict and every dump in ``hang.json`` (stacks.judge, as the ssh supervisor judges); a
-``nodeops: hang:`` line per finding in the batch log; then SIGTERM to the training step's srun
-(srun passes it to torchrun on every node, which ends its ranks), SIGKILL after GRACE seconds.
+``nodeops: hang:`` line per finding in the batch log; then SIGTERM to the training step's launcher
+(srun, which ends every node's task, torchrun and its ranks; or, for runner mpirun, mpirun, which
+ends every rank), SIGKILL after GRACE seconds.
 It ends when the training step does, or on SIGTERM (the batch script's, once srun returned).
 """
 
@@ -117,7 +118,7 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
     say(why)
     for line in S.report_lines(report):
         say(line.strip())
-    say(f"stopping the training step (SIGTERM to srun {srun_pid}; SIGKILL after {GRACE:.0f}s)")
+    say(f"stopping the training step (SIGTERM to its launcher, srun or mpirun, {srun_pid}; SIGKILL in {GRACE:.0f}s)")
     try:
         os.kill(srun_pid, signal.SIGTERM)
     except OSError:

@@ -1,0 +1,111 @@
+"""mpirun's output by rank (stdlib only, Python 3.8+): Open MPI's ``--tag-output`` pieces put back
+into each rank's own lines, and the first failed rank mpirun reports.
+
+Over ssh the controller reads the chief's mpirun output through :class:`Lines` (backends/ssh.py).
+On Slurm it is shipped into the run dir as ``mpi_split.py``; the batch script pipes mpirun's
+output through it on the batch node:
+
+    python3 mpi_split.py RUN_DIR NODE_OF_RANK_0 NODE_OF_RANK_1 ...
+
+Each rank's lines go, as ``[rankN]:LINE`` (torchrun's prefix), into ``RUN_DIR/logs/NODE.log`` of
+its own node, where the training step's lines go under torchrun; mpirun's own lines go to
+stdout (the batch log), and after mpirun's failure report one line names the rank and its node:
+``nodeops: mpirun: first failure: rank R on NODE (exit code N)`` (:data:`FAILURE`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import re
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
+# mpirun's report of the first rank that failed ("Process name: [[job,1],R]" ... "Exit code: N"),
+# or of one that a signal ended ("... process rank R with PID P on node N exited on signal S")
+FIRST = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
+EXIT = re.compile(r"Exit code:\s+(-?\d+)")
+SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
+OWN_LINES = 200  # of mpirun's own lines, kept for its failure report
+FAILURE = re.compile(r"nodeops: mpirun: first failure: rank (\d+) on (\S+) \(exit code (-?\d+)\)")
+
+
+def pieces(line: str) -> tuple[str, list[tuple[int, str]]]:
+    """Open MPI's --tag-output pieces of one physical line: the untagged text before the first
+    tag, and (rank, text) for each tagged piece."""
+    parts = TAG.split(line)
+    return parts[0], [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
+
+
+class Lines:
+    """Open MPI tags every chunk a rank writes, so one physical line can hold the pieces of
+    several ranks' lines ("[1,1]<stdout>:a[1,0]<stdout>:b"); the newline that ends the physical
+    line belongs to its last piece. ``feed`` gives back whole lines: (None, text) for mpirun's
+    own (untagged) text, (rank, text) for a rank's line."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, str] = {}
+
+    def feed(self, line: str) -> list[tuple[int | None, str]]:
+        head, parts = pieces(line)
+        if not parts:
+            return [(None, line)]
+        out: list[tuple[int | None, str]] = [(None, head)] if head else []
+        for n, (rank, text) in enumerate(parts):
+            self.pending[rank] = self.pending.get(rank, "") + text
+            if n == len(parts) - 1:
+                out.append((rank, self.pending.pop(rank)))
+        return out
+
+
+def first_failure(text: str) -> tuple[int, int | None] | None:
+    """(rank, exit code) of the first failed rank mpirun's report names (a signal as 128 + N,
+    as a shell says it; None where the report gives no code), or None."""
+    m, code = FIRST.search(text), EXIT.search(text)
+    if m:
+        return int(m.group(1)), int(code.group(1)) if code else None
+    s = SIGNALLED.search(text)
+    return (int(s.group(1)), 128 + int(s.group(2))) if s else None
+
+
+def split(stream: TextIO, out: TextIO, run_dir: str, rank_nodes: Sequence[str]) -> None:
+    """Each rank's lines into its node's log, mpirun's own to ``out``, then the failure line."""
+    lines = Lines()
+    own: collections.deque[str] = collections.deque(maxlen=OWN_LINES)
+    with contextlib.ExitStack() as stack:
+        logs: dict[str, TextIO] = {}
+        for raw in stream:
+            for rank, text in lines.feed(raw.rstrip("\n")):
+                node = rank_nodes[rank] if rank is not None and rank < len(rank_nodes) else None
+                if node is None:
+                    own.append(text)
+                    out.write(text + "\n")
+                    out.flush()
+                    continue
+                if node not in logs:
+                    path = os.path.join(run_dir, "logs", node + ".log")
+                    logs[node] = stack.enter_context(open(path, "a", encoding="utf-8"))
+                logs[node].write(f"[rank{rank}]:{text}\n")
+                logs[node].flush()
+    failed = first_failure("\n".join(own))
+    if failed is not None:
+        rank, code = failed
+        node = rank_nodes[rank] if rank < len(rank_nodes) else "?"
+        out.write(f"nodeops: mpirun: first failure: rank {rank} on {node} (exit code {1 if code is None else code})\n")
+        out.flush()
+
+
+def main(argv: Sequence[str]) -> int:
+    if len(argv) < 2:
+        sys.stderr.write("usage: mpi_split.py RUN_DIR NODE_OF_RANK_0 [NODE_OF_RANK_1 ...]\n")
+        return 2
+    with open(sys.stdin.fileno(), encoding="utf-8", errors="replace", closefd=False) as stdin:
+        split(stdin, sys.stdout, argv[0], list(argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

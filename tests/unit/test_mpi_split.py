@@ -1,0 +1,111 @@
+"""mpi_split.py: mpirun's --tag-output lines back into each rank's lines, by node, and the first
+failed rank mpirun reports (runner mpirun on Slurm; the ssh backend's emitter reads with the
+same Lines). The shipped file is run as the batch script runs it: python3, stdin, no package."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeops import slurm
+from nodeops.launch import mpi_split
+
+SPLIT = Path(mpi_split.__file__)
+
+# What mpirun 4.1 printed on the Slurm sandbox when rank 2 exited 1 (trimmed), with two ranks'
+# pieces on one physical line, as Open MPI writes them when ranks' writes interleave.
+MPIRUN_OUT = """\
+[1,0]<stdout>:rank 0/4 on node1
+[1,2]<stdout>:rank 2/4 on node2
+[1,1]<stdout>:rank 1/[1,3]<stdout>:rank 3/4 on node3
+[1,1]<stdout>:4 on node1
+[1,2]<stderr>:rank 2: failing on purpose at step 3
+--------------------------------------------------------------------------
+Primary job  terminated normally, but 1 process returned
+a non-zero exit code. Per user-direction, the job has been aborted.
+--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[20161,1],2]
+  Exit code:    1
+--------------------------------------------------------------------------
+"""
+
+
+def run_split(tmp_path: Path, text: str, *nodes: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-I", str(SPLIT), str(tmp_path), *nodes], input=text,
+                          capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+
+
+def test_each_rank_line_goes_to_its_own_node_log_and_mpiruns_own_to_the_batch_log(tmp_path: Path) -> None:
+    p = run_split(tmp_path, MPIRUN_OUT, "node1", "node1", "node2", "node3")
+    assert p.returncode == 0, p.stderr
+    logs = {f.stem: f.read_text() for f in (tmp_path / "logs").iterdir()}
+    assert logs == {
+        "node1": "[rank0]:rank 0/4 on node1\n[rank1]:rank 1/4 on node1\n",
+        "node2": "[rank2]:rank 2/4 on node2\n[rank2]:rank 2: failing on purpose at step 3\n",
+        "node3": "[rank3]:rank 3/4 on node3\n",
+    }
+    out = p.stdout.splitlines()
+    assert "  Process name: [[20161,1],2]" in out and not any("<stdout>" in line for line in out)
+    assert out[-1] == "nodeops: mpirun: first failure: rank 2 on node2 (exit code 1)"
+    # what launch and status then report: the node and the code from that line
+    assert slurm.first_failure(out) == ("node2", 1)
+
+
+def test_a_rank_a_signal_ended_is_named_with_its_shell_exit_code(tmp_path: Path) -> None:
+    text = ("[1,0]<stdout>:step 1\n"
+            "mpirun noticed that process rank 1 with PID 0 on node node2 exited on signal 9 (Killed).\n")  # fmt: skip
+    p = run_split(tmp_path, text, "node1", "node2")
+    assert p.stdout.splitlines()[-1] == "nodeops: mpirun: first failure: rank 1 on node2 (exit code 137)"
+    assert (tmp_path / "logs" / "node1.log").read_text() == "[rank0]:step 1\n"
+
+
+def test_a_clean_run_adds_no_failure_line_and_appends_to_existing_logs(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "node1.log").write_text("nodeops: requeued, restart 1\n")  # a requeued job's log goes on
+    p = run_split(tmp_path, "[1,0]<stdout>:done\n", "node1")
+    assert p.returncode == 0 and p.stdout == ""
+    assert (tmp_path / "logs" / "node1.log").read_text() == "nodeops: requeued, restart 1\n[rank0]:done\n"
+
+
+def test_a_rank_beyond_the_map_and_bad_bytes_go_to_the_batch_log_unharmed(tmp_path: Path) -> None:
+    (tmp_path / "logs").mkdir()
+    p = subprocess.run([sys.executable, "-I", str(SPLIT), str(tmp_path), "node1"],
+                       input=b"[1,5]<stdout>:odd \xff\n", capture_output=True, timeout=30, check=False)  # fmt: skip
+    assert p.returncode == 0 and p.stdout.decode() == "odd \ufffd\n"
+    assert not (tmp_path / "logs" / "node1.log").exists()
+
+
+def test_without_its_arguments_it_says_how_to_call_it(tmp_path: Path) -> None:
+    p = run_split(tmp_path, "")  # the run dir, no node
+    assert p.returncode == 2 and "usage: mpi_split.py RUN_DIR NODE_OF_RANK_0" in p.stderr
+
+
+texts = st.text(st.characters(blacklist_characters="\n\r[", blacklist_categories=("Cs",)), max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), texts, st.booleans()), max_size=30))
+def test_lines_reassembles_any_interleaving_of_rank_pieces(writes: list[tuple[int, str, bool]]) -> None:
+    """Each write is a chunk of one rank's output, which Open MPI tags; a chunk that ends its
+    rank's line (its newline) ends the physical line too, so a physical line can hold other
+    ranks' partial chunks before it. Lines gives every rank's lines back whole and in order."""
+    physical: list[str] = []
+    expected: list[tuple[int, str]] = []
+    current, partial = "", {}
+    for rank, chunk, ends in writes:
+        current += f"[1,{rank}]<stdout>:{chunk}"
+        partial[rank] = partial.get(rank, "") + chunk
+        if ends:
+            physical.append(current)
+            expected.append((rank, partial.pop(rank)))
+            current = ""
+    lines = mpi_split.Lines()
+    assert [item for line in physical for item in lines.feed(line)] == expected
