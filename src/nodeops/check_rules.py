@@ -29,7 +29,8 @@ PARITY = ("python", "torch", "torch_cuda", "nccl", "driver")  # compared across 
 # Open MPI's daemons on every node; DeepSpeed's runner (on the chief) fans out with pdsh.
 RUNNER_COMMANDS: dict[str, dict[str, tuple[str, bool]]] = {
     "torchrun": {},
-    "mpirun": {"mpirun": ("openmpi-bin, which setup installs (`nodeops setup SPEC --tags packages`)", False)},
+    "mpirun": {"mpirun": ("openmpi-bin, which setup installs (`nodeops setup SPEC --tags packages`); on Slurm "
+                          "nodes, the cluster's Open MPI (a module the env file loads, say)", False)},
     "deepspeed": {"deepspeed": ("the deepspeed package: add it to python.packages and run setup", True),
                   "pdsh": ("pdsh, which setup installs (`nodeops setup SPEC --tags packages`)", True)},
 }  # fmt: skip

@@ -79,8 +79,27 @@ def test_a_rank_beyond_the_map_and_bad_bytes_go_to_the_batch_log_unharmed(tmp_pa
     (tmp_path / "logs").mkdir()
     p = subprocess.run([sys.executable, "-I", str(SPLIT), str(tmp_path), "node1"],
                        input=b"[1,5]<stdout>:odd \xff\n", capture_output=True, timeout=30, check=False)  # fmt: skip
-    assert p.returncode == 0 and p.stdout.decode() == "odd \ufffd\n"
+    assert p.returncode == 0 and p.stdout.decode() == "[rank5]:odd \ufffd\n"
     assert not (tmp_path / "logs" / "node1.log").exists()
+
+
+def test_a_carriage_return_a_last_line_without_newline_and_a_dead_ranks_piece_are_kept(tmp_path: Path) -> None:
+    """A progress bar's \\r stays inside its line; the output's last line may have no newline; a
+    rank's piece still waiting for its newline when the output ends (the rank died) is written."""
+    text = "[1,0]<stderr>:\r 10%[1,0]<stderr>:\r 20%\n[1,1]<stdout>:last words[1,0]<stdout>:x\n[1,0]<stdout>:end"
+    p = run_split(tmp_path, text, "node1", "node2")
+    assert p.returncode == 0 and p.stdout == "", p.stdout + p.stderr
+    assert (tmp_path / "logs" / "node1.log").read_bytes() == b"[rank0]:\r 10%\r 20%\n[rank0]:x\n[rank0]:end\n"
+    assert (tmp_path / "logs" / "node2.log").read_text() == "[rank1]:last words\n"
+    # any output is progress for the hang watchdog, newline or not
+    assert (tmp_path / "progress").exists()
+
+
+def test_a_rank_line_that_looks_like_mpiruns_report_names_no_failure(tmp_path: Path) -> None:
+    """Only mpirun's own (untagged) lines are read for its failure report."""
+    text = "[1,0]<stdout>:  Process name: [[1,1],1]\n[1,0]<stdout>:  Exit code:    3\n"
+    p = run_split(tmp_path, text, "node1", "node2")
+    assert p.stdout == "" and "first failure" not in (tmp_path / "logs" / "node1.log").read_text()
 
 
 def test_without_its_arguments_it_says_how_to_call_it(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -543,3 +544,87 @@ def test_a_whole_read_ends_even_while_the_job_keeps_writing(fake_slurm: Path, mo
     monkeypatch.setattr(slurm, "poll", growing)
     fol.step(whole=True)
     assert list(fol.tails["node1"])[:40] == [f"line {i:03d}" for i in range(40)]
+
+
+FAKE_SLURM = {
+    # the allocation: node1 (the batch node, 2 GPUs) and node2 (1 GPU)
+    "scontrol": """#!/bin/sh
+case "$1 $2" in
+  "show hostnames") printf 'node1\\nnode2\\n' ;;
+  "show node") echo "NodeName=$3 NodeAddr=10.9.0.1" ;;
+esac
+""",
+    # the GPU-counting step (the only srun of this run: no preflight.in, no fabric args)
+    "srun": """#!/bin/sh
+printf '%s' "$FAKE_COUNT"
+""",
+    # Open MPI's mpirun: records how it was called, writes tagged lines and, failing, its report
+    "mpirun": """#!/bin/bash
+printf '%s\\n' "SLURM_TASKS_PER_NODE=$SLURM_TASKS_PER_NODE" "$@" > "$NODEOPS_RUN_DIR/mpirun.args"
+printf '[1,0]<stdout>:hello from 0\\n[1,2]<stdout>:hello from 2\\n[1,1]<stdout>:part[1,0]<stdout>:bye 0\\n'
+if [ "$FAKE_MPI_EXIT" != 0 ]; then
+  printf '  Process name: [[77,1],2]\\n  Exit code:    %s\\n' "$FAKE_MPI_EXIT"
+fi
+exit "$FAKE_MPI_EXIT"
+""",
+}
+
+
+def run_mpirun_job(tmp_path: Path, *, count: str = "node1 2\nnode2 1\n", mpi_exit: int = 0,
+                   ship: bool = True) -> tuple[int, str]:  # fmt: skip
+    """The whole batch script for runner mpirun, in a real bash with stand-ins for scontrol,
+    srun and mpirun (python3 is the real one: it runs the shipped mpi_split.py)."""
+    work = tmp_path / "work"
+    work.mkdir(exist_ok=True)
+    spec = load_spec_text(
+        f"slurm:\n  nodes: 2\n  gpus: 3\nnodes:\n  - address: 10.0.0.1\nworkdir:\n  path: {work}\n"
+        "launch:\n  runner: mpirun\n", str(tmp_path / "cluster.yaml"))  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in FAKE_SLURM.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run = tmp_path / "run"
+    shutil.rmtree(run, ignore_errors=True)
+    run.mkdir()
+    if ship:
+        for name, text in slurm_backend.run_files(spec).items():
+            (run / name).parent.mkdir(parents=True, exist_ok=True)
+            (run / name).write_text(text)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "NODEOPS_RUN_DIR": str(run),
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
+           "SLURMD_NODENAME": "node1", "SLURM_GPUS": "3", "FAKE_COUNT": count,
+           "FAKE_MPI_EXIT": str(mpi_exit)}  # fmt: skip
+    p = subprocess.run(["bash", "-c", slurm.batch_script(spec), "job.sbatch", "train.py", "--lr", "1 2"], env=env,
+                       capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_the_mpirun_batch_script_fills_ranks_by_gpus_and_splits_their_lines_by_node(tmp_path: Path) -> None:
+    rc, out = run_mpirun_job(tmp_path)
+    assert rc == 0, out
+    run = tmp_path / "run"
+    args = (run / "mpirun.args").read_text().splitlines()
+    # 2+1 GPUs: 3 ranks, node1's two first; the daemons' step asks for the other node's 1 GPU
+    assert args[0] == "SLURM_TASKS_PER_NODE=2,1"
+    assert args[1:] == ["-np", "3", "--mca", "plm_slurm_args", "--gpus=1", "--bind-to", "none", "--map-by", "slot",
+                        "--tag-output", "sh", f"{run}/mpi_shim.sh", "python3", "train.py", "--lr", "1 2"]  # fmt: skip
+    assert "nodeops: mpirun: 3 rank(s) on 2 node(s) (ranks per node: 2,1)" in out
+    assert (run / "logs" / "node1.log").read_text() == "[rank0]:hello from 0\n[rank0]:bye 0\n[rank1]:part\n"
+    assert (run / "logs" / "node2.log").read_text() == "[rank2]:hello from 2\n"
+    assert "nodeops: mpirun exited 0" in out and not (run / "mpi.fifo").exists()
+    assert json.loads((run / "result.json").read_text())["exit"] == 0
+
+
+def test_the_mpirun_batch_script_names_the_failed_rank_and_refuses_what_it_lacks(tmp_path: Path) -> None:
+    rc, out = run_mpirun_job(tmp_path, mpi_exit=3)
+    assert rc == 3, out
+    assert "nodeops: mpirun: first failure: rank 2 on node2 (exit code 3)" in out
+    assert slurm.first_failure(out.splitlines()) == ("node2", 3)
+    # a node that did not answer the counting step, or files launch did not ship: no rank starts
+    for kwargs, said in [({"count": "node1 2\n"}, "node2 did not answer the srun step that counts each node's GPUs"),
+                         ({"ship": False}, "mpi_split.py is missing (nodeops launch writes it")]:  # fmt: skip
+        rc, out = run_mpirun_job(tmp_path, **kwargs)  # type: ignore[arg-type]
+        assert rc == 1 and "nodeops: mpirun: " in out and said in out and "no rank was started" in out, out
+        assert not (tmp_path / "run" / "mpirun.args").exists()
+        assert json.loads((tmp_path / "run" / "result.json").read_text())["exit"] == 1

@@ -20,7 +20,8 @@ import contextlib
 import os
 import re
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
@@ -28,8 +29,11 @@ TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
 # or of one that a signal ended ("... process rank R with PID P on node N exited on signal S")
 FIRST = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
 EXIT = re.compile(r"Exit code:\s+(-?\d+)")
+REPORT = re.compile(FIRST.pattern + r"\s*" + EXIT.pattern)  # the two lines of one report
 SIGNALLED = re.compile(r"process rank (\d+) with PID \d+ on node \S+ exited on signal (\d+)")
 OWN_LINES = 200  # of mpirun's own lines, kept for its failure report
+CHUNK = 1 << 16  # bytes read at a time
+MAX_LINE = 1 << 20  # bytes without a newline that are written out as a line anyway
 FAILURE = re.compile(r"nodeops: mpirun: first failure: rank (\d+) on (\S+) \(exit code (-?\d+)\)")
 
 
@@ -49,6 +53,12 @@ class Lines:
     def __init__(self) -> None:
         self.pending: dict[int, str] = {}
 
+    def flush(self) -> list[tuple[int | None, str]]:
+        """The pieces still waiting for their newline, each as a line (at the end of the output)."""
+        out: list[tuple[int | None, str]] = list(self.pending.items())
+        self.pending.clear()
+        return out
+
     def feed(self, line: str) -> list[tuple[int | None, str]]:
         head, parts = pieces(line)
         if not parts:
@@ -64,32 +74,71 @@ class Lines:
 def first_failure(text: str) -> tuple[int, int | None] | None:
     """(rank, exit code) of the first failed rank mpirun's report names (a signal as 128 + N,
     as a shell says it; None where the report gives no code), or None."""
-    m, code = FIRST.search(text), EXIT.search(text)
+    both = REPORT.search(text)
+    if both:
+        return int(both.group(1)), int(both.group(2))
+    m = FIRST.search(text)
     if m:
-        return int(m.group(1)), int(code.group(1)) if code else None
+        return int(m.group(1)), None
     s = SIGNALLED.search(text)
     return (int(s.group(1)), 128 + int(s.group(2))) if s else None
 
 
-def split(stream: TextIO, out: TextIO, run_dir: str, rank_nodes: Sequence[str]) -> None:
-    """Each rank's lines into its node's log, mpirun's own to ``out``, then the failure line."""
+def touch(path: str) -> None:
+    try:
+        with open(path, "a"):
+            os.utime(path)
+    except OSError:  # progress only: the lines matter more
+        pass
+
+
+def split(read: Callable[[int], bytes], out: TextIO, run_dir: str, rank_nodes: Sequence[str]) -> None:
+    """Each rank's lines into its node's log, mpirun's own to ``out``, then the failure line.
+    Reads what arrives (not whole lines): any output touches the run's progress file, so a
+    rank that writes without newlines (a progress bar's \\r) still shows the hang watchdog
+    progress, as its node log's growth does under torchrun."""
     lines = Lines()
-    own: collections.deque[str] = collections.deque(maxlen=OWN_LINES)
+    own: collections.deque[str] = collections.deque(maxlen=OWN_LINES)  # mpirun's own, for its report
+    progress = os.path.join(run_dir, "progress")
+    touched = 0.0
     with contextlib.ExitStack() as stack:
         logs: dict[str, TextIO] = {}
-        for raw in stream:
-            for rank, text in lines.feed(raw.rstrip("\n")):
-                node = rank_nodes[rank] if rank is not None and rank < len(rank_nodes) else None
-                if node is None:
+
+        def put(rank: int | None, text: str) -> None:
+            node = rank_nodes[rank] if rank is not None and rank < len(rank_nodes) else None
+            if node is None:
+                if rank is None:
                     own.append(text)
-                    out.write(text + "\n")
-                    out.flush()
-                    continue
-                if node not in logs:
-                    path = os.path.join(run_dir, "logs", node + ".log")
-                    logs[node] = stack.enter_context(open(path, "a", encoding="utf-8"))
-                logs[node].write(f"[rank{rank}]:{text}\n")
-                logs[node].flush()
+                out.write(text + "\n" if rank is None else f"[rank{rank}]:{text}\n")
+                out.flush()
+                return
+            if node not in logs:
+                path = os.path.join(run_dir, "logs", node + ".log")
+                logs[node] = stack.enter_context(open(path, "a", encoding="utf-8", errors="replace"))
+            logs[node].write(f"[rank{rank}]:{text}\n")
+            logs[node].flush()
+
+        buf = b""
+        while True:
+            chunk = read(CHUNK)  # what has arrived, up to CHUNK bytes
+            if not chunk:
+                break
+            now = time.monotonic()
+            if now - touched >= 1.0:
+                touch(progress)
+                touched = now
+            *done, buf = (buf + chunk).split(b"\n")
+            if len(buf) > MAX_LINE:  # no newline for this long: what there is, as a line
+                done.append(buf)
+                buf = b""
+            for raw in done:
+                for rank, text in lines.feed(raw.decode("utf-8", "replace")):
+                    put(rank, text)
+        if buf:  # the last line had no newline
+            for rank, text in lines.feed(buf.decode("utf-8", "replace")):
+                put(rank, text)
+        for rank, text in lines.flush():  # pieces of a line whose newline never came (a rank that died)
+            put(rank, text)
     failed = first_failure("\n".join(own))
     if failed is not None:
         rank, code = failed
@@ -102,8 +151,8 @@ def main(argv: Sequence[str]) -> int:
     if len(argv) < 2:
         sys.stderr.write("usage: mpi_split.py RUN_DIR NODE_OF_RANK_0 [NODE_OF_RANK_1 ...]\n")
         return 2
-    with open(sys.stdin.fileno(), encoding="utf-8", errors="replace", closefd=False) as stdin:
-        split(stdin, sys.stdout, argv[0], list(argv[1:]))
+    with open(sys.stdout.fileno(), "w", encoding="utf-8", errors="replace", closefd=False) as out:
+        split(lambda n: os.read(0, n), out, argv[0], list(argv[1:]))
     return 0
 
 
