@@ -49,6 +49,12 @@ def runner_commands(runner: str, chief: bool) -> list[str]:
     return sorted(c for c, (_, chief_only) in RUNNER_COMMANDS.get(runner, {}).items() if chief or not chief_only)
 
 
+def slurm_runner_commands(runner: str) -> list[str]:
+    """The commands every node of a Slurm job needs: there each node runs the runner's own
+    launcher (DeepSpeed's per-node one too), and nothing fans out over ssh (no pdsh)."""
+    return [c for c in runner_commands(runner, True) if c != "pdsh"]
+
+
 def shown(value: Any, missing: str = "unknown") -> str:
     """A parity value as text: never the string 'None'."""
     return missing if value is None or value == "" else str(value)

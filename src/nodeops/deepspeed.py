@@ -100,3 +100,56 @@ def env_file_problem(key: str, value: str) -> str | None:
 def render_env_file(env: Mapping[str, str]) -> str:
     """``KEY=VALUE`` lines, no comments and no blank lines (DeepSpeed crashes on both, E5)."""
     return "".join(f"{k}={v}\n" for k, v in env.items())
+
+
+# ``python3 -I -c ENV_FILE_BOOT`` in a Slurm job (runner deepspeed): the ``.deepspeed_env`` files
+# DeepSpeed's runner reads (``DS_ENV_FILE``'s name, default ``.deepspeed_env``, in the home then
+# in the current dir; a later value replaces an earlier one in its first place) as the
+# ``export K=V`` lines its pdsh runner sends each node's shell (:func:`export_fragment`, E6),
+# which each node's task then evals. Ends the job (exit 1, naming the file and line) on a line
+# without ``=`` (DeepSpeed crashes on it, E4/E5), a name that is no shell name, a value DeepSpeed's
+# unescaped double quotes would break (:func:`env_file_problem`), or bytes that are not UTF-8.
+ENV_FILE_BOOT = (
+    f"BARE, UNSAFE = {_DS_BARE.pattern!r}, {_DS_UNSAFE.pattern!r}\n"
+    + r"""
+import os, re, sys
+name = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
+out = {}
+for d in (os.path.expanduser("~"), "."):
+    p = os.path.join(d, name)
+    if not os.path.isfile(p):
+        continue
+    try:
+        with open(p, encoding="utf-8-sig") as fh:
+            lines = fh.readlines()
+    except (OSError, UnicodeError) as e:
+        sys.exit(f"nodeops: deepspeed: cannot read {os.path.abspath(p)}: {e}")
+    for n, line in enumerate(lines, 1):
+        where = f"nodeops: deepspeed: {os.path.abspath(p)} line {n}: "
+        if "=" not in line:
+            sys.exit(where + f"{line.rstrip()!r} has no '=' (DeepSpeed's runner stops on it)")
+        k, v = (part.strip() for part in line.split("=", 1))
+        k = k[len("export "):].strip() if k.startswith("export ") else k
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            sys.exit(where + f"{k!r} is not an environment variable name")
+        if re.search(UNSAFE, v):
+            sys.exit(where + f"{k}: DeepSpeed wraps values in double quotes without escaping, so \", ` and \\ break it")
+        out[k] = v
+for k, v in out.items():
+    print(f"export {k}={v}" if re.match(BARE, v) else f'export {k}="{v}"')
+"""
+)
+
+# ``python3 -I -c WORLD_INFO_BOOT NODE=COUNT=IDS...`` in a Slurm job (runner deepspeed): DeepSpeed's
+# ``--world_info`` (urlsafe base64 of ``{node: [device ids]}``, in node-rank order) from each
+# node's GPU count and the ids in its ``CUDA_VISIBLE_DEVICES`` (0..COUNT-1 where they do not match).
+WORLD_INFO_BOOT = r"""
+import base64, json, sys
+world = {}
+for arg in sys.argv[1:]:
+    node, count, ids = arg.split("=", 2)
+    got = [i for i in ids.split(",") if i]
+    got = got if len(got) == int(count) else [str(i) for i in range(int(count))]
+    world[node] = [int(i) if i.isdigit() else i for i in got]
+print(base64.urlsafe_b64encode(json.dumps(world).encode()).decode())
+"""

@@ -119,10 +119,17 @@ def failure_code(st: HostState) -> int | None:
     return next((c for c in codes if c > 0), None)
 
 
+def rank_code(tail: Sequence[str]) -> int | None:
+    """The first code > 0 a rank here exited with by itself, as its launcher said it: torchrun's
+    summary, or DeepSpeed's launcher's "exits with return code = N"."""
+    codes = [int(c) for line in tail for rx in (_RANK_EXIT, _DS_RANK_EXIT) for c in rx.findall(line)]
+    return next((c for c in codes if c > 0), None)
+
+
 def own_failure(st: HostState) -> bool:
-    """torchrun's lines say a rank here exited with a code of its own (> 0): it failed by itself,
-    even when the supervisor's stop then reached this host."""
-    return any(int(c) > 0 for line in st.tail for c in _RANK_EXIT.findall(line))
+    """The launcher's lines (torchrun's, DeepSpeed's) say a rank here exited with a code of its
+    own (> 0): it failed by itself, even when the supervisor's stop then reached this host."""
+    return rank_code(st.tail) is not None
 
 
 def root_cause(states: Sequence[HostState], named: str = "") -> HostState | None:
@@ -147,6 +154,8 @@ def root_cause(states: Sequence[HostState], named: str = "") -> HostState | None
 # as opposed to what the ranks printed.
 _AGENT_LINE = re.compile(r"^[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ .*torch/distributed/")
 _RANK_LINE = re.compile(r"^\[rank\d+\]:")
+# DeepSpeed's per-node launcher's own log lines ("[2026-11-25 05:59:46,165] [INFO] [launch.py:145:main] ...")
+_DS_LAUNCHER_LINE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,]+\] \[[A-Z]+\] \[(launch|real_accelerator)\.py:\d+:")
 
 
 def failure_lines(tail: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -158,7 +167,9 @@ def failure_lines(tail: Sequence[str]) -> tuple[list[str], list[str]]:
     # torchrun echoes the ranks' files with a delay: their `[rankN]:` lines may come after its own
     late = [line for line in lines[at:] if _RANK_LINE.match(line)]
     # NCCL_DEBUG=INFO chatter (its teardown lines included) would push the traceback out of view
-    own = [line for line in lines[:at] if not _AGENT_LINE.match(line) and "NCCL INFO" not in line] + [
-        line for line in late if "NCCL INFO" not in line
-    ]
+    own = [
+        line
+        for line in lines[:at]
+        if not _AGENT_LINE.match(line) and not _DS_LAUNCHER_LINE.match(line) and "NCCL INFO" not in line
+    ] + [line for line in late if "NCCL INFO" not in line]
     return own[-SHOWN_LINES:], [line for line in lines[at:] if not _RANK_LINE.match(line)]

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nodeops import check_rules, failures, probe
+from nodeops import deepspeed as ds
 from nodeops.errors import NodeopsError
 from nodeops.launch import mpi_split
 from nodeops.launch import slurm_watch as W
@@ -141,6 +142,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH, run_env=RUN_ENV,
         fabric_args=FABRIC_ARGS, fabric_config=FABRIC_CONFIG, fabric_doc=FABRIC_DOC, fabric_report=FABRIC_REPORT,
         fabric_timeout=FABRIC_TIMEOUT, runner=spec.launch.runner, mpi_split=MPI_SPLIT, mpi_shim=MPI_SHIM,
+        ds_world_boot=sh_word(ds.WORLD_INFO_BOOT), ds_env_boot=sh_word(ds.ENV_FILE_BOOT),
     ))  # fmt: skip
 
 
@@ -501,7 +503,12 @@ def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tup
         st.tail.extend((tails or {}).get(m.group(1), []))
         states[st.host] = st
     cause = failures.root_cause(list(states.values()))
-    return None if cause is None else (cause.host, failures.failure_code(cause) or 1)
+    if cause is None:
+        return None
+    code = failures.failure_code(cause) or 1
+    # srun's stop can reach a launcher still ending its ranks (DeepSpeed's exits on the signal
+    # then: 143): the code its own rank exited with is the failure's
+    return cause.host, (failures.rank_code(cause.tail) or code) if code > 128 else code
 
 
 def outcome(st: Poll) -> str:

@@ -251,12 +251,9 @@ def _slurm_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]],
         add(("slurm", "login"), f"login {login!r} is not a node under `nodes:`",
             "add the login node under `nodes:` (with its ssh group) and name it here")  # fmt: skip
     runner = (raw.get("launch") or {}).get("runner") if isinstance(raw.get("launch"), dict) else None
-    if runner not in (None, "torchrun", "mpirun"):
-        add(("launch", "runner"), f"runner {runner} is not supported on Slurm yet (torchrun under srun, or mpirun)",
-            "use runner: torchrun or mpirun, or backend: ssh")  # fmt: skip
-    if runner == "mpirun" and slurm.get("signal") is not None:
+    if runner in ("mpirun", "deepspeed") and slurm.get("signal") is not None:
         add(("slurm", "signal"), "the time-limit signal goes to torchrun, which passes it to the ranks and gives "
-            "them its shutdown timeout; with runner mpirun nodeops cannot tell a run that finished from one "
+            f"them its shutdown timeout; with runner {runner} nodeops cannot tell a run that finished from one "
             "the signal stopped", "use runner: torchrun, or remove slurm.signal")  # fmt: skip
 
 

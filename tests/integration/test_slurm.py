@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from nodeops import sandbox
-from tests.integration.conftest import NODEOPS, ROOT, one_group_stacks, own_sandbox, wheelhouse
+from tests.integration.conftest import DS_VERSION, NODEOPS, ROOT, deepspeed_wheelhouse, one_group_stacks, own_sandbox
 
 NAME = f"pytestslurm{os.getpid()}"
 SUBNET = "10.220.0.0/24"
@@ -31,7 +31,7 @@ PLACED = re.compile(r"^(node\d) \[rank(\d+)\]:rank \d+/(\d+) on (node\d)", re.M)
 # (the hang watchdog and the stacks step's collector too)
 LEFTOVER = re.compile(
     r"torch\.distributed\.run|ddp_train|sig_train|fabric\.py|srun |slurmstepd|watch\.py|stacks\.py"
-    r"|mpirun|orted|mpi_split"
+    r"|mpirun|orted|mpi_split|deepspeed\.launcher|ds_train"
 )
 
 SIG_TRAIN = """import signal, sys, time
@@ -49,6 +49,18 @@ print(f"rank {r} got {'SIGUSR1' if got else 'nothing'} after {time.monotonic() -
 time.sleep(8 if r == dist.get_world_size() - 1 else 0)
 print(f"rank {r} checkpointed", flush=True)
 sys.exit(0)
+"""
+
+# what each rank of a deepspeed run was given: its rank, world, local rank, argv and env
+DS_TRAIN = """import json, os, socket, sys
+import torch.distributed as dist
+dist.init_process_group("gloo")
+seen = {"rank": dist.get_rank(), "world": dist.get_world_size(), "local": os.environ["LOCAL_RANK"],
+        "host": socket.gethostname(), "argv": sys.argv[1:], "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "ds_env": os.environ.get("NODEOPS_IT_DS_ENV")}
+print("seen " + json.dumps(seen, sort_keys=True), flush=True)
+dist.barrier()
+dist.destroy_process_group()
 """
 
 # fails on its first run (the last rank exits 3), succeeds once requeued
@@ -83,8 +95,9 @@ def write_spec(sb: sandbox.Sandbox, d: Path, name: str, slurm_extra: str = "") -
         text = text.replace("slurm:\n", "slurm:\n" + slurm_extra, 1)
     text += (
         "env:\n  OMP_NUM_THREADS: 1\n"
-        "python:\n  venv: ~/.venvs/train\n  packages: ['torch==2.13.0']\n"
-        f"  wheelhouse: {wheelhouse()}\n"
+        # deepspeed too (runner deepspeed's test): one venv for every test, set up once
+        f"python:\n  venv: ~/.venvs/train\n  packages: ['torch==2.13.0', 'deepspeed=={DS_VERSION}']\n"
+        f"  wheelhouse: {deepspeed_wheelhouse()}\n"
         f"workdir:\n  path: {WORKDIR}\n"
         "network:\n  ib: 'off'\n"
     )
@@ -103,6 +116,9 @@ def project(cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathFactory) 
     write_spec(cluster, d, "requeue.yaml", "  max_requeues: 1\n")
     mpirun = write_spec(cluster, d, "mpirun.yaml")
     mpirun.write_text(mpirun.read_text() + "launch:\n  runner: mpirun\n")
+    ds = write_spec(cluster, d, "ds.yaml")
+    ds.write_text(ds.read_text() + "launch:\n  runner: deepspeed\n")
+    (d / "ds_train.py").write_text(DS_TRAIN)
     spec = write_spec(cluster, d, "cluster.yaml")
     write_spec(cluster, d, "pending.yaml", "  sbatch_extra: {begin: now+8}\n")
     write_spec(cluster, d, "signal.yaml", "  signal: {name: USR1, seconds: 60}\n")
@@ -179,6 +195,59 @@ def test_mpirun_on_slurm_every_rank_agrees_then_a_failing_rank_names_its_node(
     assert f"first failure on {host} (exit code 1)" in p.stderr, p.stderr[-3000:]
     assert f"{host} [rank2]:rank 2: failing on purpose at step 3" in p.stderr
     assert "mpirun stopped every other rank" in p.stderr
+    st = nodeops("status")
+    assert st.returncode == 1 and "FAILED" in st.stdout, st.stdout + st.stderr
+    assert leftovers(cluster) == {}
+
+
+def in_lines(out: str, pattern: str) -> list[tuple[str, str]]:
+    """(host, match) of ``pattern`` anywhere in each `HOST | ...` line of launch's output. Under
+    DeepSpeed the ranks of a node share its launcher's stdout (as over pdsh), and `print` writes
+    its text and its newline apart: two ranks printing at once can share one line (seen in CI:
+    `final param hash Xfinal param hash X`)."""
+    return [(h, m) for h, rest in re.findall(r"^(node\d) \| (.*)$", out, re.M) for m in re.findall(pattern, rest)]
+
+
+def test_deepspeed_on_slurm_runs_its_launcher_on_every_node_then_a_failing_rank_names_its_node(
+    cluster: sandbox.Sandbox, project: Path
+) -> None:
+    """runner: deepspeed: one srun task per node runs DeepSpeed's per-node launcher, which gives
+    each rank what DeepSpeed's pdsh runner would (RANK, LOCAL_RANK, WORLD_SIZE, --local_rank),
+    one rank per GPU Slurm gave the node (2+1+1), and the workdir's .deepspeed_env."""
+    ds_env = f"{WORKDIR}/.deepspeed_env"
+    login = cluster.nodes[0].container
+    sandbox.docker("exec", "-u", "debian", login, "sh", "-c", f"echo 'NODEOPS_IT_DS_ENV=from the workdir' > {ds_env}")
+    try:
+        p = nodeops("launch", str(project / "ds.yaml"), "--", "ds_train.py", "a b")
+    finally:
+        sandbox.docker("exec", login, "rm", "-f", ds_env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "nodeops: deepspeed: 4 rank(s) on 3 node(s) (ranks per node: 2,1,1)" in p.stdout, p.stdout[-3000:]
+    assert "nodeops: preflight ok on 3 node(s)" in p.stdout  # deepspeed found on every node, no pdsh asked for
+    seen = [(h, json.loads(j)) for h, j in in_lines(p.stdout, r"seen (\{[^{}]*\})")]
+    assert sorted(s["rank"] for _, s in seen) == [0, 1, 2, 3], p.stdout[-3000:]
+    assert {s["rank"]: s["host"] for _, s in seen} == {0: "node1", 1: "node1", 2: "node2", 3: "node3"}
+    for host, s in seen:
+        assert s["host"] == host and s["world"] == 4, s
+        assert s["argv"] == [f"--local_rank={s['local']}", "a b"], s  # the argument intact, after DeepSpeed's own
+        assert s["ds_env"] == "from the workdir", s
+    assert {s["host"]: s["cvd"] for _, s in seen} == {"node1": "0,1", "node2": "0", "node3": "0"}  # Slurm's ids
+    assert "nodeops: srun exited 0" in p.stdout and "COMPLETED" in p.stderr
+    assert leftovers(cluster) == {}
+
+    p = nodeops("launch", str(project / "ds.yaml"), "--", "ddp_train.py", "--steps", "5")
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    hashes = in_lines(p.stdout, r"final param hash ([0-9a-f]{16})")
+    assert sorted(h for h, _ in hashes) == ["node1", "node1", "node2", "node3"], p.stdout[-3000:]
+    assert len({d for _, d in hashes}) == 1, hashes
+    assert leftovers(cluster) == {}
+
+    p = nodeops("launch", str(project / "ds.yaml"), "--", "ddp_train.py", "--steps", "200", "--sleep", "0.1",
+                "--fail-rank", "2", "--fail-step", "3")  # fmt: skip
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    assert "first failure on node2 (exit code 1)" in p.stderr, p.stderr[-3000:]
+    assert re.search(r"node2 .*rank 2: failing on purpose at step 3", p.stderr), p.stderr[-3000:]
+    assert "srun stopped every other node's ranks" in p.stderr
     st = nodeops("status")
     assert st.returncode == 1 and "FAILED" in st.stdout, st.stdout + st.stderr
     assert leftovers(cluster) == {}

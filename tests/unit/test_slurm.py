@@ -4,6 +4,8 @@ PATH that record what they were given. The live path is tests/integration/test_s
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import dataclasses
 import json
 import os
@@ -11,12 +13,17 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from nodeops import check, sandbox_slurm, slurm
+from nodeops import check, failures, sandbox_slurm, slurm
+from nodeops import deepspeed as ds
 from nodeops.backends import slurm as slurm_backend
 from nodeops.loading import load_spec
 from nodeops.spec_load import load_spec_text
@@ -38,13 +45,14 @@ def test_sbatch_lines_follow_the_spec() -> None:
     assert not any(line.startswith("--signal") for line in sandbox)
 
 
-@pytest.mark.parametrize("name", ["slurm-full.happy.yaml", "slurm-sandbox.happy.yaml"])
+@pytest.mark.parametrize("name", ["slurm-full.happy.yaml", "slurm-sandbox.happy.yaml", "slurm-deepspeed.happy.yaml"])
 def test_batch_script_is_valid_bash_and_carries_no_user_argument(name: str) -> None:
     text = slurm.batch_script(load_spec(SPECS / name))
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     assert text.startswith("#!/bin/bash\n")
     # the training command arrives as the script's own arguments, never rendered into it
-    assert re.search(r'nodeops-task "\$SLURM_JOB_ID" \d+ "\$@" &', text) and "train.py" not in text
+    assert re.search(r'nodeops-task (torchrun|deepspeed) "\$SLURM_JOB_ID" \d+ "\$@" &', text)
+    assert "train.py" not in text
 
 
 def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
@@ -84,17 +92,22 @@ def run_task(tmp_path: Path, spec: str, sig: int | None, *, fake_exit: str = "",
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NODEOPS_RUN_DIR": str(tmp_path),
            "SLURMD_NODENAME": "node7", "SLURM_JOB_NUM_NODES": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
            "FAKE_EXIT": fake_exit, "NODEOPS_FORWARD_SIGNALS": "1" if cgroup else ""}  # fmt: skip
-    p = subprocess.Popen(["bash", "-c", task.group(1), "nodeops-task", "42", "0", "train.py", "--lr", "1"],
+    p = subprocess.Popen(["bash", "-c", task.group(1), "nodeops-task", "torchrun", "42", "0", "train.py", "--lr", "1"],
                          env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 10
-    while not (tmp_path / "ready").exists() and p.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert "--rdzv-id=42 --max-restarts=0" in (tmp_path / "ready").read_text()
-    time.sleep(0.2)  # the fake's traps are set
-    if sig is not None:
-        os.kill(p.pid, sig) if cgroup else os.killpg(p.pid, sig)
-    out, _ = p.communicate(timeout=10)
-    return p.returncode, out
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "ready").exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "--rdzv-id=42 --max-restarts=0" in (tmp_path / "ready").read_text()
+        time.sleep(0.2)  # the fake's traps are set
+        if sig is not None:
+            os.kill(p.pid, sig) if cgroup else os.killpg(p.pid, sig)
+        out, _ = p.communicate(timeout=10)
+        return p.returncode, out
+    finally:  # a failed assertion must not leave the task and its stand-in running
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
 
 
 @pytest.mark.parametrize("cgroup", [False, True])
@@ -554,9 +567,19 @@ case "$1 $2" in
   "show node") echo "NodeName=$3 NodeAddr=10.9.0.1" ;;
 esac
 """,
-    # the GPU-counting step (the only srun of this run: no preflight.in, no fabric args)
-    "srun": """#!/bin/sh
-printf '%s' "$FAKE_COUNT"
+    # the GPU-counting step prints FAKE_COUNT (no preflight.in, no fabric args: no other step);
+    # the training step (runner deepspeed) runs its task once per node, as srun would
+    "srun": """#!/bin/bash
+while [ $# -gt 0 ] && [ "$1" != bash ]; do shift; done
+if [ "${4:-}" != nodeops-task ]; then printf '%s' "$FAKE_COUNT"; exit 0; fi
+for n in node1 node2; do SLURMD_NODENAME=$n "$@" >> "$NODEOPS_RUN_DIR/logs/$n.log" 2>&1 || exit $?; done
+""",
+    # DeepSpeed's per-node launcher (python -u -m deepspeed.launcher.launch): records its argv
+    # and the env .deepspeed_env gave it
+    "python": """#!/bin/bash
+printf '%s\\n' "$0" "$@" "DS_A=${DS_A:-}" "DS_B=${DS_B:-}" "DS_C=${DS_C:-}" "PYTHONPATH=$PYTHONPATH" \\
+  > "$NODEOPS_RUN_DIR/launch.$SLURMD_NODENAME"
+echo "started on $SLURMD_NODENAME"
 """,
     # Open MPI's mpirun: records how it was called, writes tagged lines and, failing, its report
     "mpirun": """#!/bin/bash
@@ -571,14 +594,14 @@ exit "$FAKE_MPI_EXIT"
 
 
 def run_mpirun_job(tmp_path: Path, *, count: str = "node1 2\nnode2 1\n", mpi_exit: int = 0,
-                   ship: bool = True) -> tuple[int, str]:  # fmt: skip
-    """The whole batch script for runner mpirun, in a real bash with stand-ins for scontrol,
-    srun and mpirun (python3 is the real one: it runs the shipped mpi_split.py)."""
+                   ship: bool = True, runner: str = "mpirun") -> tuple[int, str]:  # fmt: skip
+    """The whole batch script for runner mpirun (or ``runner``), in a real bash with stand-ins for
+    scontrol, srun, mpirun and python (python3 is the real one: it runs the shipped mpi_split.py)."""
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     spec = load_spec_text(
         f"slurm:\n  nodes: 2\n  gpus: 3\nnodes:\n  - address: 10.0.0.1\nworkdir:\n  path: {work}\n"
-        "launch:\n  runner: mpirun\n", str(tmp_path / "cluster.yaml"))  # fmt: skip
+        f"launch:\n  runner: {runner}\n", str(tmp_path / "cluster.yaml"))  # fmt: skip
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in FAKE_SLURM.items():
@@ -628,3 +651,78 @@ def test_the_mpirun_batch_script_names_the_failed_rank_and_refuses_what_it_lacks
         assert rc == 1 and "nodeops: mpirun: " in out and said in out and "no rank was started" in out, out
         assert not (tmp_path / "run" / "mpirun.args").exists()
         assert json.loads((tmp_path / "run" / "result.json").read_text())["exit"] == 1
+
+
+def test_the_deepspeed_batch_script_runs_deepspeeds_launcher_on_each_node_with_its_world(tmp_path: Path) -> None:
+    """runner deepspeed: one srun task per node runs DeepSpeed's per-node launcher with the
+    allocation's world_info (each node's GPU ids as Slurm gave them), the node's rank in it, and
+    the .deepspeed_env lines exported (the workdir's after the home's, as DeepSpeed reads them)."""
+    (tmp_path / ".deepspeed_env").write_text("DS_A=home\nDS_B=from home\n")
+    (tmp_path / "work").mkdir()
+    # evaluated on each node, as pdsh's remote shell does: $HOME there, an unset name empty; a
+    # MASTER_ADDR here does not move DeepSpeed's rendezvous, and the stack hook stays on PYTHONPATH
+    (tmp_path / "work" / ".deepspeed_env").write_text(
+        "DS_A = work $HOME\nexport DS_C=$NOPE:c\nMASTER_ADDR=9.9.9.9\nPYTHONPATH=/mine\n"
+    )
+    rc, out = run_mpirun_job(tmp_path, count="node1 2 0,1\nnode2 1 3\n", runner="deepspeed")
+    assert rc == 0, out
+    run = tmp_path / "run"
+    assert "nodeops: deepspeed: 3 rank(s) on 2 node(s) (ranks per node: 2,1)" in out
+    for rank, node in enumerate(["node1", "node2"]):
+        argv0, *args = (run / f"launch.{node}").read_text().splitlines()
+        assert argv0 == str(tmp_path / "bin" / "python")  # the env's python, by its path
+        assert args[:3] == ["-u", "-m", "deepspeed.launcher.launch"], args
+        world = json.loads(base64.urlsafe_b64decode(args[3].removeprefix("--world_info=")))
+        assert world == {"node1": [0, 1], "node2": [3]}  # node order is rank order; node2's GPU id kept
+        assert args[4:7] == [f"--node_rank={rank}", "--master_addr=10.9.0.1", f"--master_port={20000 + 42}"]
+        # the user's arguments intact; $HOME expanded, as the shell pdsh runs expands it
+        assert args[7:] == ["train.py", "--lr", "1 2", f"DS_A=work {tmp_path}", "DS_B=from home", "DS_C=:c",
+                            f"PYTHONPATH={run}/hook:/mine"], args  # fmt: skip
+        assert (run / "logs" / f"{node}.log").read_text() == f"started on {node}\n"
+    assert "nodeops: srun exited 0" in out
+    # a line DeepSpeed's runner would stop on ends the job before any node starts
+    (tmp_path / "work" / ".deepspeed_env").write_text("DS_A=1\n\n")
+    for f in run.glob("launch.*"):
+        f.unlink()
+    rc, out = run_mpirun_job(tmp_path, count="node1 2 0,1\nnode2 1 3\n", runner="deepspeed")
+    assert rc == 1 and "/.deepspeed_env line 2: '' has no '='" in out and "no rank was started" in out, out
+    assert not list(run.glob("launch.*"))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.dictionaries(st.from_regex(r"DS_[A-Za-z0-9_]{1,8}", fullmatch=True),
+                       st.text(st.characters(blacklist_characters='"`\\$', blacklist_categories=("Cs", "Cc")),
+                               max_size=20).map(str.strip), max_size=4))  # fmt: skip
+def test_the_deepspeed_env_boot_exports_what_deepspeeds_runner_sends(env: dict[str, str]) -> None:
+    """ENV_FILE_BOOT's lines are the fragments DeepSpeed's pdsh runner sends each node
+    (deepspeed.export_fragment), and bash's eval of them gives each value back, for the values
+    DeepSpeed can carry (deepspeed.env_file_problem)."""
+    with tempfile.TemporaryDirectory() as d:
+        Path(d, ".deepspeed_env").write_text(ds.render_env_file(env), encoding="utf-8")
+        boot = [sys.executable, "-I", "-c", ds.ENV_FILE_BOOT]
+        lines = subprocess.run(boot, cwd=d, capture_output=True, text=True, check=True,
+                               env={"HOME": "/nonexistent", "PYTHONIOENCODING": "utf-8"}).stdout  # fmt: skip
+    exports = lines.split("\n")[:-1] if lines else []
+    assert [e + "; " for e in exports] == [ds.export_fragment(k, v) for k, v in env.items()]
+    got = subprocess.run(["bash", "-c", 'eval "$1"; shift; for k; do printf "%s\\0" "${!k}"; done', "-", lines, *env],
+                         capture_output=True, text=True, check=True, env={"LC_ALL": "C.UTF-8"}).stdout  # fmt: skip
+    assert got.split("\0")[:-1] == list(env.values())
+
+
+def test_a_deepspeed_node_that_srun_stopped_while_it_ended_its_failed_rank_is_blamed_with_the_ranks_code() -> None:
+    """As seen on the sandbox: node2's rank failed by itself, but node1's launcher (its ranks lost
+    node2) exited first, so srun's SIGTERM reached node2's launcher while it was ending: 143."""
+    batch = [f"srun: error: node{i + 1}: task {i}: Exited with exit code {c}" for i, c in enumerate((1, 143, 1))]
+    lost = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.220.0.12]:20701"
+    tails = {
+        "node1": [lost, "[2026-11-25 05:59:52,092] [INFO] [launch.py:253:sigkill_handler] Killing subprocess 1420"],
+        "node2": [
+            "rank 2: failing on purpose at step 3",
+            "[2026-11-25 06:03:06,212] [ERROR] [launch.py:259:sigkill_handler] ['python', '-u', 't.py'] exits "
+            "with return code = 1",
+        ],
+        "node3": [lost],
+    }
+    assert slurm.first_failure(batch, tails) == ("node2", 1)
+    own, _ = failures.failure_lines(tails["node2"])
+    assert own == ["rank 2: failing on purpose at step 3"]  # the launcher's own log lines left out

@@ -35,6 +35,11 @@ NO_LOG_WARN = 20.0  # seconds RUNNING without a batch log before `follow` says t
 _RUN_STATES = {s: "running" for s in slurm.LIVE}  # a final state's name is slurm.outcome's
 
 
+def launcher(runner: str) -> str:
+    """What the training step runs on each node, as a verdict names it."""
+    return {"deepspeed": "DeepSpeed's launcher"}.get(runner, runner)
+
+
 def login_of(loaded: LoadedSpec, cfg: Path) -> slurm.Login:
     node = loaded.spec.login_node()
     return slurm.Login(loaded.spec.alias(node) if node is not None else None, cfg)
@@ -216,7 +221,8 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     hang = slurm.hang_of(st)
     if hang is not None:
         report_hang(job, st, hang, sink)
-        how = "mpirun ended every rank" if job.runner == "mpirun" else "srun ended torchrun on every node"
+        ended = launcher(job.runner)
+        how = "mpirun ended every rank" if job.runner == "mpirun" else f"srun ended {ended} on every node"
         raise ExitWith(failures.HUNG_EXIT, f"==> the hang watchdog stopped job {slurm_id(job)}'s training step "
                        f"(SIGTERM; {how}): {slurm.describe(st)}")  # fmt: skip
     tails = logs_tail(job)
@@ -266,6 +272,7 @@ def node_plan(loaded: LoadedSpec, fast: bool, timeout: float, script: str | None
     chief_plan = check.plan(loaded, fast=fast, timeout=timeout, script=script)
     return dict(chief_plan["nodes"][0]["plan"], mode="node", name="", nonce="", ports=[],
                 chief_address=login.address if login is not None else "127.0.0.1",
+                commands=check_rules.slurm_runner_commands(loaded.spec.launch.runner),
                 manifest=chief_plan.get("manifest"))  # fmt: skip
 
 
@@ -500,7 +507,7 @@ class Emitting:
 class SlurmBackend(Backend):
     name: ClassVar[str] = "slurm"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        runners=frozenset({"torchrun", "mpirun"}), detach=True, via_ansible=False,
+        runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, via_ansible=False,
         script=False, fabric=True, sync=True, preflight=False, hang=True, stacks=True, fabric_check=True,
         fabric_check_in_job=True,
     )  # fmt: skip
