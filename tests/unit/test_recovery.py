@@ -30,6 +30,15 @@ def test_an_exit_code_says_signal_or_the_scripts_own_error(code: object, kind: s
     assert R.kind_of_exit(code) == kind
 
 
+@pytest.mark.parametrize(("code", "peer", "raised", "kind"), [
+    ("1", False, False, "script"), ("-6", False, True, "script"), ("-6", False, False, "signal"),
+    ("-9", True, True, "peer"), ("1", True, False, "peer"), ("", False, True, "script"), ("134", False, True, "script"),
+])  # fmt: skip
+def test_a_worker_that_died_of_a_signal_after_raising_is_the_scripts_error(code: str, peer: bool, raised: bool,
+                                                                           kind: str) -> None:  # fmt: skip
+    assert R.kind_of_worker(code, peer, raised) == kind
+
+
 def test_infra_restarts_infrastructure_faults_only_and_any_restarts_all() -> None:
     for kind in R.INFRA:
         assert R.should_restart(kind, "infra", 1, 2) == (True, "")

@@ -191,6 +191,28 @@ def test_torchrun_failure_line_starts_the_teardown_before_the_exit(tmp_path: Pat
     assert wait_clean(dirs) == []
 
 
+@pytest.mark.parametrize(("where", "kind", "after"), [
+    ("file", "script", ", after an uncaught exception"),  # the rank's own stderr log (torchrun's PET_LOG_DIR)
+    ("lines", "script", ", after an uncaught exception"),  # only in the tee'd lines before torchrun's report
+    ("none", "signal", ""),  # a rank killed by a signal without a traceback: an infrastructure fault
+])  # fmt: skip
+def test_a_rank_aborted_after_an_uncaught_exception_is_the_scripts_own_error(tmp_path: Path, where: str, kind: str,
+                                                                             after: str) -> None:  # fmt: skip
+    """gloo's teardown after an exception can abort the rank ("terminate called without an active
+    exception", exit code -6): that is still the script's error, which restart_on: infra must not
+    restart (a CI run restarted it once, when this host's report came first)."""
+    tb = "Traceback (most recent call last):\nRuntimeError: rank 1: a bug at step 2"
+    prep = {"file": f"mkdir -p ranks/r_x/attempt_0/1 && printf '[rank1]: {tb}\\n' > ranks/r_x/attempt_0/1/stderr.log",
+            "lines": f"printf '[rank1]:[rank1]: {tb}\\n'", "none": "echo '[rank1]:step 2'"}[where]  # fmt: skip
+    line = "[E] failed (exitcode: -6) local_rank: 1 (pid: 7) of binary: python"
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": f"{prep}; echo '{line}'; sleep 3; exit 1\n"},
+                           agent_final=True)  # fmt: skip
+    res = result_of(chief, start(dirs))
+    assert res["first_failure"] == {"host": "h2", "code": 1, "kind": kind,
+                                    "why": f"torchrun reported a failed worker (exit code -6{after})"}  # fmt: skip
+    assert wait_clean(dirs) == []
+
+
 def victim_and_cause(tmp: Path, *, victim_code: int, then: str, cause_after: float,
                      cause_then: str) -> tuple[dict[str, object], list[Path]]:  # fmt: skip
     """h1's rank reports a lost peer (torchrun: exitcode ``victim_code``); ``cause_after`` s later

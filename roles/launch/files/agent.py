@@ -11,9 +11,9 @@
     The supervisor's link to this host (over ssh, or a local child on the chief). Reads
     heartbeats and commands on stdin (a line each; ``stop`` stops the run here), touches
     ``heartbeat``, and reports on stdout, one line each: ``watching``, ``exit CODE|killed``,
-    ``agent-failed CODE own|peer [stopped]`` (torchrun's final failure line, with --agent-final:
-    the worker's exit code, whether the lines before it say a peer went away first, and whether
-    it was read after a stop came), ``pdsh-failed ADDRESS
+    ``agent-failed CODE own|peer|raised [stopped]`` (torchrun's final failure line, with
+    --agent-final: the worker's exit code, whether the lines before it say a peer went away first
+    or the worker printed an uncaught exception, and whether it was read after a stop came), ``pdsh-failed ADDRESS
     CODE`` (with --pdsh), ``stopped N`` (N processes of the run left after a stop). On stdin EOF
     or silence for HEARTBEAT_STALE (the chief or its supervisor died) it stops the run here.
     It exits once the job here has ended, or after a stop where there is no job.
@@ -37,6 +37,7 @@ each, then ``stacks-done``.
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import select
@@ -242,6 +243,21 @@ class LogScan:
         return [c.decode(errors="replace") for c in complete]
 
 
+def raised(local_rank: str, recent: deque[str]) -> bool:
+    """Whether the worker torchrun reported failed (``local_rank`` here) printed an uncaught
+    exception's traceback: in its own stderr log, complete once it died (torchrun's
+    ``PET_LOG_DIR``: ranks/RUN/attempt_N/LOCAL_RANK/stderr.log, the newest attempt), else in the
+    lines before torchrun's failure line (its tee may not have copied them yet)."""
+    logs = glob.glob(path(os.path.join("ranks", "*", "attempt_*", local_rank, "stderr.log")))
+    newest = max(logs, key=os.path.getmtime, default=None)
+    if newest is not None:
+        with contextlib.suppress(OSError), open(newest, "rb") as f:
+            f.seek(max(0, os.path.getsize(newest) - 65536))
+            if P.RAISED.search(f.read().decode(errors="replace")):
+                return True
+    return any(P.RAISED.search(r) for r in recent)
+
+
 def agent_alive() -> bool:
     pid = read(P.AGENT_PID)
     if not pid or not pid.isdigit():
@@ -274,8 +290,9 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
                 if m:
                     agent_failed_said = True
                     peer = any(P.PEER_LOST.search(r) for r in recent)
+                    how = "peer" if peer else "raised" if raised(m.group(2), recent) else "own"
                     # "stopped": this line was read after a stop came (its code may be the stop's doing)
-                    say(f"agent-failed {m.group(1)} {'peer' if peer else 'own'}" + (" stopped" if stopped else ""))
+                    say(f"agent-failed {m.group(1)} {how}" + (" stopped" if stopped else ""))
                 recent.append(line)
                 m = P.PDSH_EXIT.match(line) if pdsh else None
                 if m and m.group(2) != "0":

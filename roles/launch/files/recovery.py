@@ -40,6 +40,17 @@ def kind_of_exit(code: Any) -> str:
     return "signal" if n < 0 or n > 128 else "script"
 
 
+def kind_of_worker(code: str, peer: bool, raised: bool) -> str:
+    """A worker torchrun reported as failed (``code``: its exit code, "" when unknown): ``peer``
+    when its host's lines say a peer went away first; ``script`` when it exited with a code of its
+    own, or died of a signal right after the script raised (``raised``: an uncaught exception's
+    traceback in that rank's output); else ``signal``."""
+    if peer:
+        return "peer"
+    kind = kind_of_exit(code) if code else "signal"
+    return "script" if kind == "signal" and raised else kind
+
+
 def should_restart(kind: str, restart_on: str, done: int, restarts: int) -> tuple[bool, str]:
     """Whether attempt ``done`` (1-based) that failed with ``kind`` is followed by another, and
     if not, why not (said in the verdict)."""

@@ -241,15 +241,17 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 fail(lk, lk.ended, "its host agent died" if died else f"exited {lk.ended}",
                      P.CAUSE_LOST if died else P.CAUSE_EXIT,
                      kind="lost" if died else R.kind_of_exit(lk.ended))  # fmt: skip
-        elif words[0] == "agent-failed":  # agent-failed CODE own|peer [stopped]
+        elif words[0] == "agent-failed":  # agent-failed CODE own|peer|raised [stopped]
             worker = words[1] if len(words) >= 3 and words[1].lstrip("-").isdigit() else ""
             after_stop = words[-1] == "stopped"
             if worker.startswith("-") and (lk.sent_stop or after_stop):
                 return  # its workers died of this supervisor's own stop
             peer = len(words) >= 3 and words[2] == "peer"
             rank = P.CAUSE_PEER if peer else P.CAUSE_EXIT if worker.startswith("-") or not worker else P.CAUSE_OWN
-            detail = f" (exit code {worker}{', after losing a peer' if peer else ''})" if worker else ""
-            kind = "peer" if peer else R.kind_of_exit(worker) if worker else "signal"
+            threw = len(words) >= 3 and words[2] == "raised"
+            after = ", after losing a peer" if peer else ", after an uncaught exception" if threw else ""
+            detail = f" (exit code {worker}{after})" if worker else ""
+            kind = R.kind_of_worker(worker, peer, threw)
             fail(lk, worker if rank == P.CAUSE_OWN else "agent-failed", "torchrun reported a failed worker" + detail,
                  rank, after_stop, kind)  # fmt: skip
         elif words[0] == "pdsh-failed" and len(words) == 3:
