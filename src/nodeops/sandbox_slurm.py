@@ -85,6 +85,9 @@ def slurm_conf(cluster: str, nodes: Sequence[tuple[str, str, int]], cpus: int) -
         "MailProg=/bin/true",
         f"KillWait={KILL_WAIT}",
         "MinJobAge=300",
+        # A requeued job waits cred_expire + 1 s before it may run again (120 s by default, in
+        # slurmctld's batch_requeue_fini): a test cluster need not, and its steps start at once.
+        "AuthInfo=cred_expire=30",
         "InactiveLimit=0",
         "SchedulerParameters=sched_interval=2",
     ]
