@@ -164,7 +164,7 @@ SharedEnvValue = Annotated[EnvValue, AfterValidator(_shared_env_value)]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
 
 # --------------------------------------------------------------------------- AutoDist part
