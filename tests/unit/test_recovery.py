@@ -18,7 +18,7 @@ from nodeops.launch import protocol as P
 from nodeops.launch import recovery as R
 from nodeops.starter import markers, role_dir
 
-from .test_supervisor import ours, ship, wait_clean
+from .test_supervisor import nothing_outlives_the_test, ours, ship, wait_clean  # noqa: F401 (an autouse fixture)
 
 CHIEF, H2, H3, SPARE = ({"name": n, "nproc": 1} for n in ("h1", "h2", "h3", "h4"))
 

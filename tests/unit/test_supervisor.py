@@ -5,6 +5,7 @@ another's processes (on a cluster each host has its own /proc)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,21 @@ def ours(dirs: list[Path]) -> list[str]:
         if env & tags or any(str(d) in cmd for d in dirs):
             found.append(f"{pid} {cmd}")
     return found
+
+
+@pytest.fixture(autouse=True)
+def nothing_outlives_the_test(tmp_path: Path) -> Iterator[None]:
+    """Whatever a test started (supervisor, agents, guards, jobs) is killed when it ends, passed or
+    failed: a failed assertion or a timeout must not leave a run going on this machine."""
+    yield
+    for _ in range(3):
+        left = ours([d for d in tmp_path.glob("**/2026*") if d.is_dir()])
+        for entry in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.split()[0]), signal.SIGKILL)
+        if not left:
+            break
+        time.sleep(0.2)
 
 
 def result_of(chief: Path, sup: subprocess.Popen[bytes], timeout: float = 30) -> dict[str, object]:
