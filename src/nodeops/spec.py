@@ -549,7 +549,8 @@ class LaunchSpec(_Model):
     restart_on: Literal["infra", "any"] = Field(
         "infra",
         description="Which failures restart: 'infra' (a lost node, a hang, a rank killed by a signal, a peer's loss) "
-        "or 'any' (the script's own errors too).",
+        "or 'any' (the script's own errors too, an uncaught exception among them even when the rank then died "
+        "of a signal).",
     )
     min_nodes: Annotated[int, Field(ge=1)] | None = Field(
         None,

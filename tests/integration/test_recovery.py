@@ -205,14 +205,14 @@ def test_a_bug_in_the_script_is_not_restarted_under_infra_and_is_under_any(rec: 
     assert re.search(r"attempt 1/3 on node1,node2,node3: failed \(script on node\d: .*\); no restart: the "
                      r"script's own error", p.stderr), p.stderr[-3000:]  # fmt: skip
     assert not any(line.startswith("node4 ") for line in p.stdout.splitlines())  # the spare never ran
-    # Where the guard looks when a rank dies of a signal after raising (gloo can abort it, exit
-    # -6): torchrun's per-rank stderr logs hold each rank's traceback on every node.
+    # What the guard reads when a rank dies of a signal after raising (gloo can abort it, exit
+    # -6): the ranks' hook marked each rank's uncaught exception on every node.
     run_id = run_id_of(p.stderr)
     for node in rec.nodes[:3]:
-        found = subprocess.run(["docker", "exec", node.container, "sh", "-c", "grep -l 'Traceback (most recent call "
-                                f"last)' /home/*/.nodeops/runs/{run_id}/ranks/*/attempt_*/*/stderr.log"],
+        found = subprocess.run(["docker", "exec", node.container, "sh", "-c",
+                                f"cat /home/*/.nodeops/runs/{run_id}/raised/*.txt"],
                                capture_output=True, text=True, check=False)  # fmt: skip
-        assert found.returncode == 0 and found.stdout.strip(), (node.name, found.stdout, found.stderr)
+        assert re.fullmatch(r"RuntimeError: rank \d: a bug on every rank at step 2", found.stdout), found
 
     anyway = variant(spec, "any.yaml", launch="{restarts: 1, restart_on: any, restart_backoff: 1}")
     p = nodeops("launch", str(anyway), *bug)

@@ -209,18 +209,25 @@ def test_torchrun_failure_line_starts_the_teardown_before_the_exit(tmp_path: Pat
 
 
 @pytest.mark.parametrize(("where", "kind", "after"), [
-    ("file", "script", ", after an uncaught exception"),  # the rank's own stderr log (torchrun's PET_LOG_DIR)
-    ("lines", "script", ", after an uncaught exception"),  # only in the tee'd lines before torchrun's report
-    ("none", "signal", ""),  # a rank killed by a signal without a traceback: an infrastructure fault
+    ("raised", "script", ", after an uncaught exception"),  # the ranks' hook marked pid 7's exception
+    ("peer", "peer", ", after losing a peer"),  # its exception was a lost peer's: infrastructure
+    ("stale", "signal", ""),  # a mark older than this attempt's job (a previous attempt's pid 7)
+    ("other", "signal", ""),  # another rank's mark, and a traceback only in the lines: not this worker's
 ])  # fmt: skip
 def test_a_rank_aborted_after_an_uncaught_exception_is_the_scripts_own_error(tmp_path: Path, where: str, kind: str,
                                                                              after: str) -> None:  # fmt: skip
     """gloo's teardown after an exception can abort the rank ("terminate called without an active
     exception", exit code -6): that is still the script's error, which restart_on: infra must not
-    restart (a CI run restarted it once, when this host's report came first)."""
-    tb = "Traceback (most recent call last):\nRuntimeError: rank 1: a bug at step 2"
-    prep = {"file": f"mkdir -p ranks/r_x/attempt_0/1 && printf '[rank1]: {tb}\\n' > ranks/r_x/attempt_0/1/stderr.log",
-            "lines": f"printf '[rank1]:[rank1]: {tb}\\n'", "none": "echo '[rank1]:step 2'"}[where]  # fmt: skip
+    restart (a CI run restarted it once, when this host's report came first). The guard trusts
+    the mark the ranks' hook leaves (raised/HOST-PID.txt), not a traceback in the text."""
+    host = os.uname()[1]
+    text = {"raised": "RuntimeError: rank 1: a bug at step 2", "stale": "RuntimeError: old",
+            "peer": "RuntimeError: Connection closed by peer [10.0.0.2]:5",
+            "other": "RuntimeError: x"}[where]  # fmt: skip
+    pid = "8" if where == "other" else "7"
+    prep = f"mkdir -p raised && printf '%s' '{text}' > raised/{host}-{pid}.txt"
+    prep += "; touch -d '1 hour ago' raised/*" if where == "stale" else ""
+    prep += "; echo '[rank1]:[rank1]: Traceback (most recent call last):'" if where == "other" else ""
     line = "[E] failed (exitcode: -6) local_rank: 1 (pid: 7) of binary: python"
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": f"{prep}; echo '{line}'; sleep 3; exit 1\n"},
                            agent_final=True)  # fmt: skip
@@ -228,6 +235,34 @@ def test_a_rank_aborted_after_an_uncaught_exception_is_the_scripts_own_error(tmp
     assert res["first_failure"] == {"host": "h2", "code": 1, "kind": kind,
                                     "why": f"torchrun reported a failed worker (exit code -6{after})"}  # fmt: skip
     assert wait_clean(dirs) == []
+
+
+def test_the_ranks_hook_marks_only_an_exception_the_script_did_not_catch(tmp_path: Path) -> None:
+    run = tmp_path / "20261125-080000-ab12"
+    (run / S.HOOK_DIR).mkdir(parents=True)
+    (run / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(run / S.HOOK_DIR), "NODEOPS_RUN_ID": run.name, "RANK": "1"}
+    scripts = {
+        "uncaught": "raise ValueError('bad input at step 2')",
+        "caught": "import traceback\ntry:\n    1 / 0\nexcept ZeroDivisionError:\n    traceback.print_exc()",
+        "thread": "import threading\nt = threading.Thread(target=lambda: 1 / 0)\nt.start()\nt.join()",
+        "interrupt": "raise KeyboardInterrupt",
+        "exit": "import sys\nsys.exit(3)",
+    }
+    marked = {}
+    for name, code in scripts.items():
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+        assert name in ("caught", "thread") or p.returncode != 0, (name, p.stderr)
+        assert name in ("caught", "thread", "exit") or "Traceback (most recent call last)" in p.stderr, p.stderr
+        marks = sorted((run / S.RAISED_DIR).glob(f"{os.uname()[1]}-*.txt")) if (run / S.RAISED_DIR).is_dir() else []
+        marked[name] = [m.read_text() for m in marks]
+        for m in marks:
+            m.unlink()
+    assert marked == {"uncaught": ["ValueError: bad input at step 2"], "caught": [], "thread": [], "interrupt": [],
+                      "exit": []}  # fmt: skip
+    other = subprocess.run([sys.executable, "-c", scripts["uncaught"]], env={**env, "NODEOPS_RUN_ID": "another-run"},
+                           capture_output=True, check=False)  # fmt: skip
+    assert other.returncode == 1 and not any((run / S.RAISED_DIR).iterdir())  # not a rank of this run: no mark
 
 
 def victim_and_cause(tmp: Path, *, victim_code: int, then: str, cause_after: float,

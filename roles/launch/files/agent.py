@@ -13,10 +13,10 @@
     ``heartbeat``, and reports on stdout, one line each: ``watching``, ``exit CODE|killed``,
     ``agent-failed CODE own|peer|raised [stopped]`` (torchrun's final failure line, with
     --agent-final: the worker's exit code, whether the lines before it say a peer went away first
-    or the worker printed an uncaught exception, and whether it was read after a stop came), ``pdsh-failed ADDRESS
-    CODE`` (with --pdsh), ``stopped N`` (N processes of the run left after a stop). On stdin EOF
-    or silence for HEARTBEAT_STALE (the chief or its supervisor died) it stops the run here.
-    It exits once the job here has ended, or after a stop where there is no job.
+    or the worker raised an exception it did not catch, and whether it was read after a stop
+    came), ``pdsh-failed ADDRESS CODE`` (with --pdsh), ``stopped N`` (N processes of the run
+    left after a stop). On stdin EOF or silence for HEARTBEAT_STALE (the chief or its supervisor
+    died) it stops the run here. It exits once the job here has ended, or after a stop where there is no job.
 
 With ``--watch-progress`` (the hang watchdog is on) it also says ``progress`` (at most once a
 second) when ``host.log`` grew or the script touched ``progress`` (``$NODEOPS_PROGRESS_FILE``);
@@ -37,7 +37,6 @@ each, then ``stacks-done``.
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import os
 import select
@@ -243,19 +242,20 @@ class LogScan:
         return [c.decode(errors="replace") for c in complete]
 
 
-def raised(local_rank: str, recent: deque[str]) -> bool:
-    """Whether the worker torchrun reported failed (``local_rank`` here) printed an uncaught
-    exception's traceback: in its own stderr log, complete once it died (torchrun's
-    ``PET_LOG_DIR``: ranks/RUN/attempt_N/LOCAL_RANK/stderr.log, the newest attempt), else in the
-    lines before torchrun's failure line (its tee may not have copied them yet)."""
-    logs = glob.glob(path(os.path.join("ranks", "*", "attempt_*", local_rank, "stderr.log")))
-    newest = max(logs, key=os.path.getmtime, default=None)
-    if newest is not None:
-        with contextlib.suppress(OSError), open(newest, "rb") as f:
-            f.seek(max(0, os.path.getsize(newest) - 65536))
-            if P.RAISED.search(f.read().decode(errors="replace")):
-                return True
-    return any(P.RAISED.search(r) for r in recent)
+def raised(pid: str | None) -> str | None:
+    """What the failed worker ``pid`` (torchrun's failure line names it) left in raised/ when
+    the script raised an exception it did not catch (the ranks' hook writes it, stacks.HOOK):
+    the exception's first line, or None (none, or one older than this attempt's job)."""
+    if not pid:
+        return None
+    mark = path(os.path.join(S.RAISED_DIR, f"{os.uname()[1]}-{pid}.txt"))
+    try:
+        if os.path.getmtime(mark) < os.path.getmtime(path(P.PGID)) - 1:
+            return None  # a previous attempt's rank with the same pid
+        with open(mark, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def agent_alive() -> bool:
@@ -289,8 +289,9 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
                 m = P.AGENT_FAILED.search(line) if agent_final and not agent_failed_said else None
                 if m:
                     agent_failed_said = True
-                    peer = any(P.PEER_LOST.search(r) for r in recent)
-                    how = "peer" if peer else "raised" if raised(m.group(2), recent) else "own"
+                    threw = raised(m.group(2))
+                    peer = any(P.PEER_LOST.search(r) for r in recent) or bool(threw and P.PEER_LOST.search(threw))
+                    how = "peer" if peer else "raised" if threw is not None else "own"
                     # "stopped": this line was read after a stop came (its code may be the stop's doing)
                     say(f"agent-failed {m.group(1)} {how}" + (" stopped" if stopped else ""))
                 recent.append(line)

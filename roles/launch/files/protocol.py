@@ -55,11 +55,7 @@ SSH_TIMEOUTS = ["ConnectTimeout=10", "ServerAliveInterval=2", "ServerAliveCountM
 
 # torchrun's agent, the moment it sees a worker fail (before its own shutdown and exit): final
 # when there are no restarts.
-AGENT_FAILED = re.compile(r"failed \(exitcode: ([1-9]\d*|-\d+)\) local_rank: (\d+)")
-# A Python exception the script did not catch (its traceback, in the rank's own stderr log or in
-# its prefixed lines): the script's own error, even when the rank then dies of a signal (gloo's
-# teardown after an exception can abort: "terminate called without an active exception").
-RAISED = re.compile(r"Traceback \(most recent call last\):")
+AGENT_FAILED = re.compile(r"failed \(exitcode: ([1-9]\d*|-\d+)\) local_rank: \d+(?: \(pid: (\d+)\))?")
 # What a rank prints when it fails because another rank died first (gloo, NCCL, the TCPStore):
 # such a failure is a consequence, never the root cause when a rank that failed on its own is
 # reported within ROOT_CAUSE_WINDOW of it.

@@ -38,6 +38,7 @@ SIGNAL_OFFSET = 7  # SIGRTMIN + 7: the hook's signal (also in HOOK below)
 STACKS_DIR = "stacks"  # in the run dir: <host>-<pid>.txt, what faulthandler wrote for each rank
 HOOK_DIR = "hook"  # in the run dir: sitecustomize.py, first on the ranks' PYTHONPATH
 FLIGHT_DIR = "flight"  # in the run dir: PyTorch's flight-recorder dumps (rank_N), when asked for
+RAISED_DIR = "raised"  # in the run dir: HOST-PID.txt, a rank's uncaught exception (the hook's excepthook)
 MARK = "@@nodeops-stack "  # agent.py stacks: one JSON document per rank, on this prefix
 NONE_MARK = "@@nodeops-stack-none "  # agent.py stacks: no rank of the run runs here (why)
 METHODS = ("auto", "py-spy", "signal")
@@ -57,6 +58,7 @@ def _nodeops_stack_hook():
     run_dir = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     if _os.environ.get("NODEOPS_RUN_ID") != _os.path.basename(run_dir) or "RANK" not in _os.environ:
         return None
+    _nodeops_raised_hook(run_dir)
     if _os.environ.get("NODEOPS_FLIGHT_RECORDER") == "1":
         _nodeops_flight_recorder(run_dir)
     d = _os.path.join(run_dir, "stacks")
@@ -64,6 +66,30 @@ def _nodeops_stack_hook():
     f = open(_os.path.join(d, "%s-%d.txt" % (_os.uname()[1], _os.getpid())), "a")
     faulthandler.register(signal.SIGRTMIN + 7, file=f, all_threads=True, chain=False)
     return f
+
+
+def _nodeops_raised_hook(run_dir):
+    # An exception the script did not catch (its main thread: threads have their own hook) is
+    # the script's own error even when the rank then dies of a signal (gloo's teardown after an
+    # exception can abort it): raised/HOST-PID.txt says so to the host's guard, with the
+    # exception's first line (a lost peer's error stays an infrastructure fault). Then the hook
+    # that was there runs (torch.distributed's, installed later, calls this one).
+    import sys
+
+    prev = sys.excepthook
+
+    def hook(tp, value, tb):
+        try:
+            if not issubclass(tp, KeyboardInterrupt):
+                d = _os.path.join(run_dir, "raised")
+                _os.makedirs(d, exist_ok=True)
+                with open(_os.path.join(d, "%s-%d.txt" % (_os.uname()[1], _os.getpid())), "w") as f:
+                    f.write(("%s: %s" % (tp.__name__, value))[:4000])
+        except Exception:
+            pass
+        prev(tp, value, tb)
+
+    sys.excepthook = hook
 
 
 def _nodeops_flight_recorder(run_dir):
