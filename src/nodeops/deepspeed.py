@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 
 from nodeops.errors import SpecError, SpecIssue
+from nodeops.spec import ENV_NAME
 
 # H4: one token, whitespace, literal lowercase "slots=", ASCII digits; anything after is ignored.
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=([0-9]+)")
@@ -110,7 +111,7 @@ def render_env_file(env: Mapping[str, str]) -> str:
 # without ``=`` (DeepSpeed crashes on it, E4/E5), a name that is no shell name, a value DeepSpeed's
 # unescaped double quotes would break (:func:`env_file_problem`), or bytes that are not UTF-8.
 ENV_FILE_BOOT = (
-    f"BARE, UNSAFE = {_DS_BARE.pattern!r}, {_DS_UNSAFE.pattern!r}\n"
+    f"BARE, UNSAFE, NAME = {_DS_BARE.pattern!r}, {_DS_UNSAFE.pattern!r}, {ENV_NAME.pattern!r}\n"
     + r"""
 import os, re, sys
 name = os.environ.get("DS_ENV_FILE", ".deepspeed_env")
@@ -130,7 +131,7 @@ for d in (os.path.expanduser("~"), "."):
             sys.exit(where + f"{line.rstrip()!r} has no '=' (DeepSpeed's runner stops on it)")
         k, v = (part.strip() for part in line.split("=", 1))
         k = k[len("export "):].strip() if k.startswith("export ") else k
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+        if not re.match(NAME, k):
             sys.exit(where + f"{k!r} is not an environment variable name")
         if re.search(UNSAFE, v):
             sys.exit(where + f"{k}: DeepSpeed wraps values in double quotes without escaping, so \", ` and \\ break it")

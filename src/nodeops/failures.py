@@ -81,8 +81,7 @@ def blame_peers(states: dict[str, HostState], remote_tails: dict[str, deque[str]
                 continue
             b = states.setdefault(name, HostState(name))
             b.tail.extend(remote_tails.get(m.group(1), []))
-            codes = [int(c) for t in b.tail for c in _DS_RANK_EXIT.findall(t)]
-            b.exit_code = next((c for c in codes if c > 0), -1)
+            b.exit_code = _first_code(b.tail, _DS_RANK_EXIT) or -1
             b.lost_reason = b.lost_reason or f"the peer that {st.host}'s ranks lost first"
             b.ended_at = st.ended_at
 
@@ -115,14 +114,18 @@ def failure_code(st: HostState) -> int | None:
     host too, when a peer's torchrun reported first) its rank's own code from torchrun's lines."""
     if st.exit_code is not None and st.exit_code > 0:
         return st.exit_code
-    codes = [int(c) for line in st.tail for c in _RANK_EXIT.findall(line)]
-    return next((c for c in codes if c > 0), None)
+    return _first_code(st.tail, _RANK_EXIT)
 
 
 def rank_code(tail: Sequence[str]) -> int | None:
     """The first code > 0 a rank here exited with by itself, as its launcher said it: torchrun's
     summary, or DeepSpeed's launcher's "exits with return code = N"."""
-    codes = [int(c) for line in tail for rx in (_RANK_EXIT, _DS_RANK_EXIT) for c in rx.findall(line)]
+    return _first_code(tail, _RANK_EXIT, _DS_RANK_EXIT)
+
+
+def _first_code(tail: Sequence[str], *found: re.Pattern[str]) -> int | None:
+    """The first exit code > 0 that one of the ``found`` patterns reads in ``tail``, in order."""
+    codes = (int(c) for line in tail for rx in found for c in rx.findall(line))
     return next((c for c in codes if c > 0), None)
 
 

@@ -33,7 +33,7 @@ from nodeops.launch import slurm_watch as W
 from nodeops.quoting import sh_path, sh_run_word, sh_word
 from nodeops.render import activation
 from nodeops.resources import data_dir
-from nodeops.spec import LoadedSpec, ResourceSpec
+from nodeops.spec import ENV_NAME, LoadedSpec, ResourceSpec
 from nodeops.transport import ssh_argv
 
 COMMENT = "nodeops-run="  # the job's --comment: nodeops-run=RUN_ID
@@ -149,7 +149,7 @@ def batch_script(loaded: LoadedSpec) -> str:
 def env_lines(env: Mapping[str, str]) -> str:
     """A run's own env as the batch script sources it (``RUN_ENV``); a name that is not one is
     refused (ValueError), values are quoted for bash."""
-    bad = [k for k in env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+    bad = [k for k in env if not ENV_NAME.match(k)]
     if bad:
         raise ValueError(f"not environment variable names: {bad}")
     return "".join(f"export {k}={sh_word(v)}\n" for k, v in sorted(env.items()))

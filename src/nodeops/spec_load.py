@@ -278,8 +278,8 @@ def _recovery_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]
         add(("launch", "restarts"), f"automatic restarts relaunch torchrun on the new set of nodes; runner {runner} "
             "is not supported yet", "use runner: torchrun, or restarts: 0")  # fmt: skip
     max_restarts = launch.get("max_restarts")
-    torchruns = runner not in ("mpirun", "deepspeed")
-    if not torchruns and isinstance(max_restarts, int) and not isinstance(max_restarts, bool) and max_restarts > 0:
+    max_restarts = max_restarts if isinstance(max_restarts, int) and not isinstance(max_restarts, bool) else 0
+    if runner in ("mpirun", "deepspeed") and max_restarts > 0:
         add(("launch", "max_restarts"), f"max_restarts is torchrun's --max-restarts; runner {runner} has no such "
             "option and would ignore it", "remove launch.max_restarts, or use launch.restarts with runner: "
             "torchrun")  # fmt: skip

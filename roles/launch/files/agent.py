@@ -16,7 +16,8 @@
     or the worker raised an exception it did not catch, and whether it was read after a stop
     came), ``pdsh-failed ADDRESS CODE`` (with --pdsh), ``stopped N`` (N processes of the run
     left after a stop). On stdin EOF or silence for HEARTBEAT_STALE (the chief or its supervisor
-    died) it stops the run here. It exits once the job here has ended, or after a stop where there is no job.
+    died) it stops the run here. It exits once the job here has ended, or after a stop where
+    there is no job.
 
 With ``--watch-progress`` (the hang watchdog is on) it also says ``progress`` (at most once a
 second) when ``host.log`` grew or the script touched ``progress`` (``$NODEOPS_PROGRESS_FILE``);

@@ -43,8 +43,8 @@ def kind_of_exit(code: Any) -> str:
 def kind_of_worker(code: str, peer: bool, raised: bool) -> str:
     """A worker torchrun reported as failed (``code``: its exit code, "" when unknown): ``peer``
     when its host's lines say a peer went away first; ``script`` when it exited with a code of its
-    own, or died of a signal right after the script raised (``raised``: an uncaught exception's
-    traceback in that rank's output); else ``signal``."""
+    own, or died of a signal after the script raised (``raised``: the ranks' hook marked an
+    exception the script did not catch, agent.raised); else ``signal``."""
     if peer:
         return "peer"
     kind = kind_of_exit(code) if code else "signal"
