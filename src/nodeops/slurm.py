@@ -23,18 +23,23 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nodeops import check_rules, failures, probe
 from nodeops import deepspeed as ds
+from nodeops import slurm_failures as SF
 from nodeops.errors import NodeopsError
-from nodeops.launch import mpi_split
+from nodeops.launch import recovery as R
 from nodeops.launch import slurm_watch as W
 from nodeops.quoting import sh_path, sh_run_word, sh_word
 from nodeops.render import activation
 from nodeops.resources import data_dir
+from nodeops.slurm_failures import RESTART_MARK, first_failure
 from nodeops.spec import ENV_NAME, LoadedSpec, ResourceSpec
 from nodeops.transport import ssh_argv
+
+if TYPE_CHECKING:
+    from nodeops.slurm_failures import Tails
 
 COMMENT = "nodeops-run="  # the job's --comment: nodeops-run=RUN_ID
 PORT_BASE = 20000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN: below Linux's ephemeral range
@@ -60,7 +65,6 @@ LIVE = ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_
         "STOPPED", "RESIZING", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD")  # fmt: skip
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun handles unless told
 STEP_WAIT = 60  # srun --wait: the seconds the other tasks of a step have after one ended
-RESTART_MARK = "nodeops: requeued, restart"  # in each node's log where a requeued run starts
 READ_MAX = 1 << 20  # bytes of one log read per poll
 MPI_SPLIT = "mpi_split.py"  # runner mpirun: in the run dir, each rank's lines into its node's log
 MPI_SHIM = "mpi_shim.sh"  # runner mpirun: in the run dir, Open MPI's rank variables -> env:// names
@@ -81,17 +85,26 @@ def shape_options(spec: ResourceSpec) -> list[str]:
     ) if value is not None]  # fmt: skip
 
 
+def allocated(spec: ResourceSpec) -> int:
+    """The nodes a job asks for: slurm.nodes, and with launch.restarts its spares."""
+    s = spec.slurm
+    assert s is not None
+    return s.nodes + (s.spare_nodes if spec.launch.restarts else 0)
+
+
 def sbatch_lines(spec: ResourceSpec, cluster: str) -> list[str]:
     """The ``#SBATCH`` options, one per line, from the spec's ``slurm:`` section."""
     s = spec.slurm
     assert s is not None
-    out = [f"--job-name=nodeops-{cluster}", f"--nodes={s.nodes}", "--ntasks-per-node=1", "--open-mode=append"]
+    out = [f"--job-name=nodeops-{cluster}", f"--nodes={allocated(spec)}", "--ntasks-per-node=1", "--open-mode=append"]
     out += shape_options(spec)
     for opt, value in (("time", s.time), ("cpus-per-task", s.cpus_per_task), ("mem", s.mem)):
         if value is not None:
             out.append(f"--{opt}={value}")
     if s.exclusive:
         out.append("--exclusive")
+    if spec.launch.restarts:  # a failed node must not end the job: the batch script restarts without it
+        out.append("--no-kill")
     if s.signal is not None:
         out.append(f"--signal=B:{s.signal.name}@{s.signal.seconds}")
     out.append("--requeue" if s.max_requeues else "--no-requeue")
@@ -143,6 +156,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         fabric_args=FABRIC_ARGS, fabric_config=FABRIC_CONFIG, fabric_doc=FABRIC_DOC, fabric_report=FABRIC_REPORT,
         fabric_timeout=FABRIC_TIMEOUT, runner=spec.launch.runner, mpi_split=MPI_SPLIT, mpi_shim=MPI_SHIM,
         ds_world_boot=sh_word(ds.WORLD_INFO_BOOT), ds_env_boot=sh_word(ds.ENV_FILE_BOOT),
+        restarts=spec.launch.restarts if spec.launch.runner == "torchrun" else 0, recover_dir=SF.PACKAGE_DIR,
     ))  # fmt: skip
 
 
@@ -314,6 +328,11 @@ try:
                 pass
 except OSError:
     pass
+try:  # launch.restarts: every attempt inside the allocation (slurm_failures.py on the batch node)
+    with open(os.path.join(d, a["recovery"])) as f:
+        out["recovery"] = json.load(f)
+except (OSError, ValueError):
+    out["recovery"] = None
 print(json.dumps(out))
 """
 
@@ -328,6 +347,7 @@ class Poll:
     result: dict[str, Any] | None = None  # the batch script's result.json: {exit, restart, signal, requeued}
     error: str = ""  # squeue and scontrol both failed: the state is not known (not: the job is gone)
     attempts: list[dict[str, Any]] = field(default_factory=list)  # attempts.jsonl: each run of the job that ended
+    recovery: dict[str, Any] | None = None  # attempts.json (launch.restarts): every attempt inside the allocation
 
     @property
     def forgotten(self) -> bool:
@@ -348,7 +368,8 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
     ``tail``: each log's last ``max_bytes`` instead."""
     args = json.dumps({"run_dir": f"~/.nodeops/runs/{run_id}", "job": job_id, "offsets": offsets,
                        "batch": BATCH_LOG, "max": max_bytes, "all": whole, "tail": tail,
-                       "preflight": PREFLIGHT_OUT, "hang": W.HANG, "fabric": FABRIC_REPORT})  # fmt: skip
+                       "preflight": PREFLIGHT_OUT, "hang": W.HANG, "fabric": FABRIC_REPORT,
+                       "recovery": SF.ATTEMPTS})  # fmt: skip
     code = _POLL.replace("json.loads(ARGS)", f"json.loads({args!r})")
     p = login.run(f"python3 - <<'NODEOPS_POLL'\n{code}\nNODEOPS_POLL\n")
     if p.returncode != 0:
@@ -358,7 +379,8 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
         return Poll(state=raw["state"], reason=raw["reason"], exit=raw["exit"], nodes=raw["nodes"],
                     files={k: (int(v[0]), int(v[1]), str(v[2])) for k, v in raw["files"].items()},
                     result=raw["result"], error=raw["error"],
-                    attempts=[a for a in raw.get("attempts") or [] if isinstance(a, dict)])  # fmt: skip
+                    attempts=[a for a in raw.get("attempts") or [] if isinstance(a, dict)],
+                    recovery=raw.get("recovery") if isinstance(raw.get("recovery"), dict) else None)  # fmt: skip
     except (ValueError, KeyError, IndexError, TypeError):
         raise SlurmError(f"cannot read job {job_id} on {login.where}: unexpected output "
                          f"{p.stdout.strip()[-200:]!r}") from None  # fmt: skip
@@ -423,7 +445,7 @@ class Follower:
         return st
 
     def _line(self, host: str, line: str) -> None:
-        self.tails.setdefault(host, deque(maxlen=TAIL_LINES)).append(line)
+        self.tails.setdefault(host, deque(maxlen=failures.TAIL_LINES)).append(line)
         if self.emit is not None:
             self.emit(host, line)
 
@@ -469,46 +491,6 @@ class Follower:
         except SlurmError:  # the job has ended: its verdict stands without the last lines
             return st
         return final if final.state or final.forgotten else st
-
-
-TAIL_LINES = 200
-Tails = Mapping[str, Sequence[str]]  # each host's last lines
-_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? [0-9,-]+: (?:Exited with exit code (\d+)|(\w+))")
-
-
-def last_run(lines: Sequence[str]) -> list[str]:
-    """A log's lines from the last requeued run on (the whole log when the job never requeued)."""
-    starts = [i for i, line in enumerate(lines) if line.startswith(RESTART_MARK)]
-    return list(lines[starts[-1] + 1 :] if starts else lines)
-
-
-def first_failure(batch_lines: Sequence[str], tails: Tails | None = None) -> tuple[str, int] | None:
-    """(host, code) of the node whose failure started it. srun reports each node whose task
-    ended badly ("Exited with exit code N", or "Terminated" once --kill-on-bad-exit stopped
-    it), but not in causal order: a node whose ranks lost a peer can exit first. The same rule
-    as ssh runs (failures.root_cause) picks among them: a node whose own rank failed beats one whose
-    ranks report a lost peer, then the earliest. Under mpirun, mpirun names the first rank that
-    failed itself (mpi_split.py's line in the batch log), and that is the answer."""
-    for line in batch_lines:  # runner mpirun: mpirun itself names the first rank that failed (mpi_split.py)
-        m = mpi_split.FAILURE.match(line)
-        if m is not None:
-            return m.group(2), int(m.group(3)) or 1
-    states: dict[str, failures.HostState] = {}
-    for i, line in enumerate(batch_lines):
-        m = _SRUN_TASK.match(line)
-        if m is None or m.group(1) in states or m.group(2) == "0":
-            continue
-        code = int(m.group(2)) if m.group(2) else -1
-        st = failures.HostState(m.group(1), exit_code=code, ended_at=float(i))
-        st.tail.extend((tails or {}).get(m.group(1), []))
-        states[st.host] = st
-    cause = failures.root_cause(list(states.values()))
-    if cause is None:
-        return None
-    code = failures.failure_code(cause) or 1
-    # srun's stop can reach a launcher still ending its ranks (DeepSpeed's exits on the signal
-    # then: 143): the code its own rank exited with is the failure's
-    return cause.host, (failures.rank_code(cause.tail) or code) if code > 128 else code
 
 
 def outcome(st: Poll) -> str:
@@ -604,6 +586,18 @@ def attempt_lines(st: Poll) -> list[str]:
             how.append("requeued" if r.get("requeued") else "not requeued")
         out.append(f"attempt {n} on {a.get('nodes')}: {', '.join(how)}")
     return out
+
+
+def restart_lines(st: Poll) -> list[str]:
+    """launch.restarts: each attempt inside the allocation in a line, once there was a restart
+    or a decision (recovery.summary); else []."""
+    rec = st.recovery or {}
+    attempts = [a for a in rec.get("attempts") or [] if isinstance(a, dict)]
+    try:
+        total = int(rec.get("total") or len(attempts))
+    except (TypeError, ValueError):
+        total = len(attempts)
+    return R.summary(attempts, total)
 
 
 def describe(st: Poll) -> str:

@@ -544,7 +544,8 @@ class LaunchSpec(_Model):
         0,
         description="Automatic recovery: after a failure, stop every rank, exclude the failed node, bring in a spare "
         "(or go on with fewer nodes, down to min_nodes) and relaunch the same command up to this many times "
-        "(NODEOPS_RESTART_COUNT tells the script). 0: stop and report (ssh backend, torchrun).",
+        "(NODEOPS_RESTART_COUNT tells the script). 0: stop and report. Runner torchrun; on Slurm inside the job's "
+        "allocation (slurm.spare_nodes).",
     )
     restart_on: Literal["infra", "any"] = Field(
         "infra",
@@ -662,6 +663,11 @@ class SlurmSpec(_Model):
     max_requeues: Annotated[int, Field(ge=0)] = Field(
         0, description="Requeue the job up to this many times after a failure or the time-limit signal."
     )
+    spare_nodes: Annotated[int, Field(ge=0)] = Field(
+        0,
+        description="nodeops: with launch.restarts, the job asks for this many nodes more; they run no rank until "
+        "a restart inside the allocation replaces a failed node with one (the batch node is never replaced).",
+    )
     sbatch_extra: dict[str, str | int | bool] = Field(
         default_factory=dict, description="More sbatch options, e.g. {reservation: big, begin: now+60}."
     )
@@ -772,7 +778,10 @@ class ResourceSpec(_Model):
         return [n for n in self.ranked_nodes() if n.spare]
 
     def min_nodes(self) -> int:
-        """How few nodes a recovered run may go on with (launch.min_nodes, else every non-spare node)."""
+        """How few nodes a recovered run may go on with (launch.min_nodes, else every non-spare node:
+        on Slurm, slurm.nodes)."""
+        if self.on_slurm and self.slurm is not None:
+            return self.launch.min_nodes or self.slurm.nodes
         return self.launch.min_nodes or len(self.job_nodes())
 
     def group_name(self, node: Node) -> str | None:

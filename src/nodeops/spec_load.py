@@ -250,7 +250,19 @@ def _slurm_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]],
     if isinstance(login, str) and login not in names:
         add(("slurm", "login"), f"login {login!r} is not a node under `nodes:`",
             "add the login node under `nodes:` (with its ssh group) and name it here")  # fmt: skip
-    runner = (raw.get("launch") or {}).get("runner") if isinstance(raw.get("launch"), dict) else None
+    launch: dict[str, Any] = raw["launch"] if isinstance(raw.get("launch"), dict) else {}
+    runner = launch.get("runner")
+    restarts = _count(launch.get("restarts"))
+    if _count(slurm.get("spare_nodes")) and not restarts:
+        add(("slurm", "spare_nodes"), "a spare node runs only when a restart replaces a failed node, and "
+            "launch.restarts is 0", "set launch.restarts (e.g. 3), or remove slurm.spare_nodes")  # fmt: skip
+    if _count(slurm.get("spare_nodes")) and restarts and slurm.get("gpus") is not None:
+        add(("slurm", "gpus"), "gpus is a total, which Slurm would spread over the spares too (sbatch --gpus)",
+            "use gpus_per_node with spare_nodes")  # fmt: skip
+    if restarts and _count(slurm.get("max_requeues")):
+        add(("slurm", "max_requeues"), "launch.restarts restarts the run inside its allocation (without the failed "
+            "node); max_requeues would requeue the whole job as well", "keep one: launch.restarts, or "
+            "slurm.max_requeues (which restarts on the same nodes)")  # fmt: skip
     if runner in ("mpirun", "deepspeed") and slurm.get("signal") is not None:
         add(("slurm", "signal"), "the time-limit signal goes to torchrun, which passes it to the ranks and gives "
             f"them its shutdown timeout; with runner {runner} nodeops cannot tell a run that finished from one "
@@ -262,8 +274,7 @@ def _recovery_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]
     """Spares, restarts and min_nodes together: what automatic recovery can do."""
     launch_raw = raw.get("launch")
     launch: dict[str, Any] = launch_raw if isinstance(launch_raw, dict) else {}
-    restarts = launch.get("restarts") or 0
-    restarts = restarts if isinstance(restarts, int) and not isinstance(restarts, bool) else 0
+    restarts = _count(launch.get("restarts"))
     spares = [(i, n) for i, n in nodes if n.get("spare") is True]
     explicit = any(n.get("chief") is True for _, n in nodes)
     for i, n in spares:
@@ -277,17 +288,24 @@ def _recovery_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]
     if restarts and runner not in (None, "torchrun"):
         add(("launch", "restarts"), f"automatic restarts relaunch torchrun on the new set of nodes; runner {runner} "
             "is not supported yet", "use runner: torchrun, or restarts: 0")  # fmt: skip
-    max_restarts = launch.get("max_restarts")
-    max_restarts = max_restarts if isinstance(max_restarts, int) and not isinstance(max_restarts, bool) else 0
-    if runner in ("mpirun", "deepspeed") and max_restarts > 0:
+    if runner in ("mpirun", "deepspeed") and _count(launch.get("max_restarts")) > 0:
         add(("launch", "max_restarts"), f"max_restarts is torchrun's --max-restarts; runner {runner} has no such "
             "option and would ignore it", "remove launch.max_restarts, or use launch.restarts with runner: "
             "torchrun")  # fmt: skip
-    min_nodes = launch.get("min_nodes")
-    active = len(nodes) - len(spares)
-    if isinstance(min_nodes, int) and not isinstance(min_nodes, bool) and min_nodes > active:
-        add(("launch", "min_nodes"), f"min_nodes {min_nodes} is more than the {active} non-spare node(s)",
+    min_nodes = _count(launch.get("min_nodes"))
+    slurm = raw.get("slurm")
+    on_slurm = isinstance(slurm, dict) and raw.get("backend") != "ssh"
+    # on Slurm the job's nodes are a count (slurm.nodes); nodes: lists the login node
+    active = (_count(slurm.get("nodes")) or 1) if on_slurm and isinstance(slurm, dict) else len(nodes) - len(spares)
+    if min_nodes > active:
+        what = "slurm.nodes" if on_slurm else "non-spare node(s)"
+        add(("launch", "min_nodes"), f"min_nodes {min_nodes} is more than the {active} {what}",
             f"use at most {active}")  # fmt: skip
+
+
+def _count(value: Any) -> int:
+    """A count the spec gave (the model's own check reports a wrong type): 0 unless an int."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _warnings(spec: ResourceSpec, located: Located, legacy: bool) -> list[SpecIssue]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeops import slurm
+from nodeops import slurm_failures as SF
 from nodeops.launch import mpi_split
 
 SPLIT = Path(mpi_split.__file__)
@@ -56,7 +56,7 @@ def test_each_rank_line_goes_to_its_own_node_log_and_mpiruns_own_to_the_batch_lo
     assert "  Process name: [[20161,1],2]" in out and not any("<stdout>" in line for line in out)
     assert out[-1] == "nodeops: mpirun: first failure: rank 2 on node2 (exit code 1)"
     # what launch and status then report: the node and the code from that line
-    assert slurm.first_failure(out) == ("node2", 1)
+    assert SF.first_failure(out) == ("node2", 1)
 
 
 def test_a_rank_a_signal_ended_is_named_with_its_shell_exit_code(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from nodeops import check, failures, sandbox_slurm, slurm
 from nodeops import deepspeed as ds
+from nodeops import slurm_failures as SF
 from nodeops.backends import slurm as slurm_backend
 from nodeops.loading import load_spec
 from nodeops.spec_load import load_spec_text
@@ -231,15 +232,15 @@ nodeops: srun exited 143
 
 
 def test_first_failure_is_the_node_that_failed_by_itself() -> None:
-    assert slurm.first_failure(BATCH) == ("node2", 3)
+    assert SF.first_failure(BATCH) == ("node2", 3)
     # srun may report a victim first: node1's ranks lost their peer node2, whose own rank failed
     racy = ["srun: error: node1: task 0: Exited with exit code 1", "srun: error: node2: task 1: Terminated"]
     tails = {"node1": ["[rank1]:RuntimeError: Connection closed by peer [10.0.0.12]:41234"],
              "node2": ["[rank2]:failing on purpose", "  exitcode  : 1 (pid: 111)"]}  # fmt: skip
-    assert slurm.first_failure(racy, tails) == ("node2", 1)
-    assert slurm.first_failure(racy) == ("node1", 1)  # without the lines, srun's order is all there is
-    assert slurm.first_failure(["srun: error: node1: task 0: Exited with exit code 0"]) is None
-    assert slurm.first_failure([]) is None
+    assert SF.first_failure(racy, tails) == ("node2", 1)
+    assert SF.first_failure(racy) == ("node1", 1)  # without the lines, srun's order is all there is
+    assert SF.first_failure(["srun: error: node1: task 0: Exited with exit code 0"]) is None
+    assert SF.first_failure([]) is None
 
 
 def test_exit_code_prefers_the_failing_task_over_srun() -> None:
@@ -361,11 +362,11 @@ def test_sandbox_slurm_conf_and_gres() -> None:
 
 
 def test_a_requeued_jobs_failure_report_reads_its_last_run_only() -> None:
-    lines = ["[rank2]:first try", f"{slurm.RESTART_MARK} 1", "[rank2]:second try", f"{slurm.RESTART_MARK} 2", "x"]
-    assert slurm.last_run(lines) == ["x"]
-    assert slurm.last_run(["a", "b"]) == ["a", "b"]
+    lines = ["[rank2]:first try", f"{SF.RESTART_MARK} 1", "[rank2]:second try", f"{SF.RESTART_MARK} 2", "x"]
+    assert SF.last_run(lines) == ["x"]
+    assert SF.last_run(["a", "b"]) == ["a", "b"]
     text = slurm.batch_script(load_spec(SPECS / "slurm-full.happy.yaml"))
-    assert f'echo "{slurm.RESTART_MARK} $restart" >> "$run_dir/logs/$n.log"' in text
+    assert f'echo "{SF.RESTART_MARK} $restart" >> "$run_dir/logs/$n.log"' in text
 
 
 def test_check_srun_step_asks_for_the_jobs_shape() -> None:
@@ -643,7 +644,7 @@ def test_the_mpirun_batch_script_names_the_failed_rank_and_refuses_what_it_lacks
     rc, out = run_mpirun_job(tmp_path, mpi_exit=3)
     assert rc == 3, out
     assert "nodeops: mpirun: first failure: rank 2 on node2 (exit code 3)" in out
-    assert slurm.first_failure(out.splitlines()) == ("node2", 3)
+    assert SF.first_failure(out.splitlines()) == ("node2", 3)
     # a node that did not answer the counting step, or files launch did not ship: no rank starts
     for kwargs, said in [({"count": "node1 2\n"}, "node2 did not answer the srun step that counts each node's GPUs"),
                          ({"ship": False}, "mpi_split.py is missing (nodeops launch writes it")]:  # fmt: skip
@@ -723,6 +724,6 @@ def test_a_deepspeed_node_that_srun_stopped_while_it_ended_its_failed_rank_is_bl
         ],
         "node3": [lost],
     }
-    assert slurm.first_failure(batch, tails) == ("node2", 1)
+    assert SF.first_failure(batch, tails) == ("node2", 1)
     own, _ = failures.failure_lines(tails["node2"])
     assert own == ["rank 2: failing on purpose at step 3"]  # the launcher's own log lines left out

@@ -127,3 +127,11 @@ def describe(a: dict[str, Any], total: int) -> str:
     if a.get("decision"):
         text += f"; {a['decision']}"
     return text
+
+
+def summary(attempts: Sequence[dict[str, Any]], total: int) -> list[str]:
+    """Every attempt in a line (:func:`describe`), once there was more than one or a decision
+    was made; else []."""
+    if len(attempts) < 2 and not any(a.get("decision") for a in attempts):
+        return []
+    return [describe(a, total) for a in attempts]

@@ -16,10 +16,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from nodeops import check, check_rules, errors, fabric, fabric_probe, failures, launchers, probe, slurm, store
+from nodeops import slurm_failures as SF
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.errors import EXIT_FAILURE, ExitWith
 from nodeops.interrupts import deferred_interrupts, ignoring_interrupts, sigterm_as_interrupt
 from nodeops.launch import mpi_split
+from nodeops.launch import protocol as P
+from nodeops.launch import recovery as R
 from nodeops.launch import slurm_watch as W
 from nodeops.launch import stacks as S
 from nodeops.quoting import sh_word
@@ -129,7 +132,7 @@ def follow(job: store.Job, sink: Sink, *, cancel_on_interrupt: bool) -> slurm.Po
 def logs_tail(job: store.Job) -> dict[str, list[str]]:
     """Each host's last lines (the batch log's as ``batch``), read at the end of the job."""
     st = slurm.poll(login_for(job), job.run_id, slurm_id(job), {}, max_bytes=256 << 10, whole=True, tail=True)
-    return {slurm.host_of(name): slurm.last_run(text.splitlines())[-slurm.TAIL_LINES :]
+    return {slurm.host_of(name): SF.last_run(text.splitlines())[-SF.TAIL_LINES :]
             for name, (_, _, text) in st.files.items()}  # fmt: skip
 
 
@@ -183,10 +186,10 @@ def note_batch(sink: Sink, lines: list[str]) -> None:
 
 def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     """Report a finished job like an ssh run: the node whose failure started it and its last lines."""
-    attempts = slurm.attempt_lines(st)
-    if attempts:
-        sink.note(f"==> {len(attempts)} attempt(s) of job {slurm_id(job)} (slurm.max_requeues):")
-        for line in attempts:
+    for lines, why in ((slurm.attempt_lines(st), "slurm.max_requeues"), (slurm.restart_lines(st), "launch.restarts")):
+        if lines:
+            sink.note(f"==> {len(lines)} attempt(s) of job {slurm_id(job)} ({why}):")
+        for line in lines:
             sink.note(f"    {line}")
     if slurm.outcome(st) == "ok":
         keep_verdict(job, st, 0)
@@ -228,7 +231,7 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     tails = logs_tail(job)
     batch = tails.pop("batch", [])
     code = slurm.exit_code(st, batch, tails)
-    first = slurm.first_failure(batch, tails)
+    first = SF.first_failure(batch, tails)
     keep_verdict(job, st, code, None if first is None else {"host": first[0], "code": first[1],
                                                             "why": f"exit code {first[1]}"})  # fmt: skip
     sig = (st.result or {}).get("signal")
@@ -262,7 +265,8 @@ def srun_options(spec: ResourceSpec) -> list[str]:
     s = spec.slurm
     assert s is not None
     reservation = [f"--reservation={s.sbatch_extra['reservation']}"] if "reservation" in s.sbatch_extra else []
-    return [f"--nodes={s.nodes}", "--ntasks-per-node=1", "--time=10", *slurm.shape_options(spec), *reservation]
+    return [f"--nodes={slurm.allocated(spec)}", "--ntasks-per-node=1", "--time=10", *slurm.shape_options(spec),
+            *reservation]  # fmt: skip
 
 
 def node_plan(loaded: LoadedSpec, fast: bool, timeout: float, script: str | None = None) -> dict[str, Any]:
@@ -299,6 +303,24 @@ def run_files(loaded: LoadedSpec) -> dict[str, str]:
     if timeout:
         files["watch.py"] = Path(W.__file__).read_text()
         files[W.CONFIG] = json.dumps({"hang_timeout": timeout})
+    if loaded.spec.launch.restarts:
+        files.update(recover_files(loaded.spec))
+    return files
+
+
+def recover_files(spec: ResourceSpec) -> dict[str, str]:
+    """launch.restarts: the restart rules the batch script asks after each failed attempt
+    (nodeops.slurm_failures with what it imports, as a package of its own in the run dir) and
+    the spec's rules for them (``slurm_failures.CONFIG``)."""
+    lc, s = spec.launch, spec.slurm
+    assert s is not None
+    pkg = f"{SF.PACKAGE_DIR}/nodeops"
+    files = {f"{pkg}/__init__.py": "", f"{pkg}/launch/__init__.py": ""}
+    for m, where in ((SF, pkg), (failures, pkg), (mpi_split, f"{pkg}/launch"), (P, f"{pkg}/launch"),
+                     (R, f"{pkg}/launch")):  # fmt: skip
+        files[f"{where}/{Path(str(m.__file__)).name}"] = Path(str(m.__file__)).read_text()
+    files[SF.CONFIG] = json.dumps({"nodes": s.nodes, "restarts": lc.restarts, "restart_on": lc.restart_on,
+                                   "min_nodes": spec.min_nodes(), "backoff": lc.restart_backoff})  # fmt: skip
     return files
 
 
@@ -431,8 +453,8 @@ def run_slurm(loaded: LoadedSpec, *, fast: bool = False, timeout: float = 120) -
     nodes = [Node(address=h, name=h, gpus=per_node, chief=i == 0) for i, h in enumerate(names)]
     doc: dict[str, Any] = {"chief": {}, "listeners": {},
            "nodes": {str(f["hostname"]): {"ssh": {"ok": True, "seconds": 0.0}, "facts": f} for f in facts}}  # fmt: skip
-    if spec.slurm is not None and len(facts) < spec.slurm.nodes:
-        doc["missing"] = f"{spec.slurm.nodes} node(s) asked for, {len(facts)} answered: {last_line(p.stderr, '')}"
+    if spec.slurm is not None and len(facts) < slurm.allocated(spec):
+        doc["missing"] = f"{slurm.allocated(spec)} node(s) asked for, {len(facts)} answered: {last_line(p.stderr, '')}"
     return spec.model_copy(update={"nodes": nodes}), doc
 
 
@@ -458,8 +480,13 @@ def submit_run(loaded: LoadedSpec, spec_path: Path, argv: Sequence[str], files: 
     script = slurm.batch_script(loaded)
     (local / slurm.SCRIPT).write_text(script)
     t0 = time.monotonic()
-    nodes = loaded.spec.slurm.nodes if loaded.spec.slurm else 0
-    sink.note(f"==> run {run_id}: sbatch on {login.where} ({nodes} node(s); {what})")
+    nodes = slurm.allocated(loaded.spec) if loaded.spec.slurm else 0
+    spares = nodes - loaded.spec.slurm.nodes if loaded.spec.slurm else 0
+    sink.note(
+        f"==> run {run_id}: sbatch on {login.where} ({nodes} node(s)"
+        + (f", {spares} of them spare" if spares else "")
+        + f"; {what})"
+    )
     noted = "==> interrupt noted: waiting for sbatch to answer, then the job is cancelled"
     with deferred_interrupts(lambda: sink.note(noted)) as interrupted:
         try:
@@ -509,7 +536,7 @@ class SlurmBackend(Backend):
     capabilities: ClassVar[Capabilities] = Capabilities(
         runners=frozenset({"torchrun", "mpirun", "deepspeed"}), detach=True, via_ansible=False,
         script=False, fabric=True, sync=True, preflight=False, hang=True, stacks=True, fabric_check=True,
-        fabric_check_in_job=True,
+        fabric_check_in_job=True, restarts=True,
     )  # fmt: skip
     # On Slurm, setup prepares the shared filesystem through the login node: the Python env, the
     # workdir and the env file. The ssh mesh and DeepSpeed's hostfile are for ssh launches.
@@ -522,7 +549,8 @@ class SlurmBackend(Backend):
         login = s.login_node()
         gpus = (f"{s.slurm.gpus_per_node} GPU(s) per node" if s.slurm.gpus_per_node is not None
                 else f"{s.slurm.gpus} GPU(s) in all" if s.slurm.gpus else "no GPUs asked for")  # fmt: skip
-        return f"Slurm, {s.slurm.nodes} node(s), {gpus}, sbatch " + (
+        spares = f" and {slurm.allocated(s) - s.slurm.nodes} spare(s)" if slurm.allocated(s) > s.slurm.nodes else ""
+        return f"Slurm, {s.slurm.nodes} node(s){spares}, {gpus}, sbatch " + (
             f"on the login node {login.address}" if login is not None else "on this machine"
         )
 
@@ -530,8 +558,9 @@ class SlurmBackend(Backend):
         return {slurm.SCRIPT: slurm.batch_script(loaded)}  # what `launch` submits: `sbatch job.sbatch train.py`
 
     def check(self, loaded: LoadedSpec, timeout: float, sink: Sink) -> check.Report:
-        s = loaded.spec.slurm
-        sink.note(f"==> checking the {s.nodes if s else 0} node(s) Slurm gives, in one srun step")
+        count = slurm.allocated(loaded.spec) if loaded.spec.slurm else 0
+        spares = " (spares included)" if loaded.spec.slurm and count > loaded.spec.slurm.nodes else ""
+        sink.note(f"==> checking the {count} node(s) Slurm gives{spares}, in one srun step")
         nodes_spec, result = run_slurm(loaded, timeout=timeout)
         return as_srun_rows(check.evaluate(nodes_spec, result), result.get("missing", ""))
 
@@ -548,6 +577,12 @@ class SlurmBackend(Backend):
                 f"==> the hang watchdog would run beside the training step on the batch node: no progress for "
                 f"{loaded.spec.launch.hang_timeout:.0f}s -> every rank's stack, the stuck rank named, exit 124"
             )
+        lc = loaded.spec.launch
+        if lc.restarts and loaded.spec.slurm is not None:
+            out.note(f"==> on a {'failure' if lc.restart_on == 'any' else 'lost node, hang or killed rank'}: up to "
+                     f"{lc.restarts} restart(s) inside the allocation, without the failed node (spare nodes: "
+                     f"{loaded.spec.slurm.spare_nodes}; min_nodes {loaded.spec.min_nodes()}); the script sees "
+                     "NODEOPS_RESTART_COUNT")  # fmt: skip
         if request.fabric_check:
             out.note(
                 f"==> a step before training would measure the fabric of the job's nodes "
@@ -585,8 +620,9 @@ class SlurmBackend(Backend):
         s = loaded.spec.slurm
         if s is None:
             raise ValueError("a Slurm spec without its slurm section")
-        per_node = s.gpus_per_node if s.gpus_per_node is not None else (s.gpus or 0) // max(1, s.nodes)
-        return s.nodes, [per_node] * s.nodes  # Slurm names the nodes once the job runs
+        count = slurm.allocated(loaded.spec)  # the spares' links are measured too
+        per_node = s.gpus_per_node if s.gpus_per_node is not None else (s.gpus or 0) // max(1, count)
+        return count, [per_node] * count  # Slurm names the nodes once the job runs
 
     def run_probe(self, loaded: LoadedSpec, spec_path: Path, probe: RunFile, args: Sequence[str], sink: Sink, *,
                   env: Mapping[str, str], emit: Callable[[str, str], None], run_id: str,
@@ -616,7 +652,7 @@ class SlurmBackend(Backend):
         if st.forgotten and last_state_of(job) in slurm.TERMINAL and st.result is None:
             st.state = last_state_of(job)  # Slurm has forgotten it: the last (final) state seen here
         sink.out(f"job {slurm_id(job):10} {slurm.describe(st)}")
-        for line in slurm.attempt_lines(st):
+        for line in [*slurm.attempt_lines(st), *slurm.restart_lines(st)]:
             sink.out(f"  {line}")
         if st.error or (st.state and st.state not in slurm.LIVE and st.state != "COMPLETED"):
             raise ExitWith(EXIT_FAILURE)

@@ -175,12 +175,11 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
 def report_attempts(result: dict[str, Any], sink: Sink) -> None:
     """After restarts: every attempt in a line (what ended it, what was decided)."""
     attempts = result.get("attempts") or []
-    if len(attempts) < 2 and not any(a.get("decision") for a in attempts):
-        return
-    total = int(result.get("attempts_total") or len(attempts))
-    sink.note(f"==> {len(attempts)} attempt(s):")
-    for a in attempts:
-        sink.note(f"    {R.describe(a, total)}")
+    lines = R.summary(attempts, int(result.get("attempts_total") or len(attempts)))
+    if lines:
+        sink.note(f"==> {len(lines)} attempt(s):")
+    for line in lines:
+        sink.note(f"    {line}")
 
 
 def report_hang(job: store.Job, hang: dict[str, Any], sink: Sink) -> None:

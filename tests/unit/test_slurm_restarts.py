@@ -1,0 +1,274 @@
+"""Automatic restarts on Slurm (launch.restarts inside the allocation): the rules the batch node
+applies (nodeops.slurm_failures), and the whole batch script in a real bash with stand-ins for
+srun and scontrol (python3 is the real one: it runs the shipped package). The live path, with a
+node's container killed on a real Slurm, is tests/integration/test_slurm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeops import slurm
+from nodeops import slurm_failures as SF
+from nodeops.backends import slurm as slurm_backend
+from nodeops.spec_load import load_spec_text
+
+# srun's own lines, as Slurm 22.05 wrote them on the sandbox when node3's container was killed
+# and node2's task then ended (--kill-on-bad-exit=1 --wait=20): node3's task never ended.
+LOST_NODE3 = """srun: error: node2: task 1: Terminated
+srun: launch/slurm: _step_signal: Terminating StepId=1.0
+srun: error: node1: task 0: Terminated
+srun: First task exited 20s ago
+srun: StepId=1.0 task 2: running
+srun: StepId=1.0 tasks 0-1: exited abnormally
+srun: launch/slurm: _step_signal: Terminating StepId=1.0
+srun: Job step aborted: Waiting up to 12 seconds for job step to finish.
+srun: error: Timed out waiting for job step to complete""".splitlines()
+PEER = [
+    "[rank0]:RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.3]:5"
+]
+OWN = ["[rank2]:ValueError: bad batch", "torch.distributed.elastic... failed (exitcode: 3) local_rank: 0 (pid: 77)",
+       "exitcode  : 3 (pid: 77)"]  # fmt: skip
+
+
+def test_a_task_srun_gave_up_on_or_a_node_slurm_marks_not_responding_is_lost() -> None:
+    nodes = ["node1", "node2", "node3"]
+    assert SF.lost_nodes(LOST_NODE3, nodes, {}) == [("node3", "its task never ended (srun gave up waiting for it)")]
+    assert SF.lost_nodes(["srun: StepId=5.0 tasks 0-1,3: running"], ["a", "b", "c", "d"], {}) == [
+        ("a", "its task never ended (srun gave up waiting for it)"),
+        ("b", "its task never ended (srun gave up waiting for it)"),
+        ("d", "its task never ended (srun gave up waiting for it)"),
+    ]
+    states = {"node1": "MIXED", "node2": "IDLE+DRAIN", "node3": "MIXED+NOT_RESPONDING"}
+    assert SF.lost_nodes([], nodes, states) == [("node3", "Slurm marks it NOT_RESPONDING")]
+    assert SF.lost_nodes([], nodes, {"node2": "DOWN*"}) == [("node2", "Slurm marks it DOWN")]
+    assert SF.lost_nodes(["srun: StepId=1.0 task 7: running"], nodes, {}) == []  # beyond the step: no guess
+
+
+def test_a_failed_attempt_is_classified_as_the_ssh_supervisor_would() -> None:
+    nodes = ["node1", "node2", "node3"]
+    # the lost node, not the nodes whose ranks lost it
+    assert SF.classify(LOST_NODE3, {"node1": PEER, "node2": PEER}, nodes, {}) == (
+        "lost", "node3", "its task never ended (srun gave up waiting for it)")  # fmt: skip
+    # a rank's own exit code is the script's error, whoever srun reported first
+    batch = [
+        "srun: error: node1: task 0: Exited with exit code 1",
+        "srun: error: node3: task 2: Exited with exit code 3",
+    ]
+    assert SF.classify(batch, {"node1": PEER, "node3": OWN}, nodes, {}) == ("script", "node3", "exited 3")
+    # a node killed (srun: Killed, no code of its own): a signal, an infrastructure fault
+    batch = ["srun: error: node2: task 1: Killed", "srun: error: node1: task 0: Exited with exit code 1"]
+    assert SF.classify(batch, {"node1": PEER, "node2": []}, nodes, {}) == ("signal", "node2", "killed")
+    # only lost peers and no node lost: nobody to blame
+    assert SF.classify(["srun: error: node1: task 0: Exited with exit code 1"], {"node1": PEER}, nodes, {}) == (
+        "peer", None, "its ranks lost a peer (no node was lost)")  # fmt: skip
+    # the hang watchdog's verdict wins
+    hang = {"host": "node2", "why": "rank 1 stuck"}
+    assert SF.classify(batch, {}, nodes, {}, hang) == ("hang", "node2", "rank 1 stuck")
+    assert SF.classify([], {}, nodes, {}) == ("lost", None, "srun ended the step with no node reported as failed")
+
+
+def test_a_signal_after_an_uncaught_exception_is_the_scripts_error(tmp_path: Path) -> None:
+    """The ranks' hook marks an exception the script did not catch (raised/HOST-PID.txt): the
+    worker torchrun names (its pid) then counts as the script's error, not a signal's."""
+    tail = ["torch.distributed.elastic... failed (exitcode: -6) local_rank: 0 (pid: 4242)"]
+    batch = ["srun: error: node2: task 1: Exited with exit code 1"]
+    since = time.time()
+    assert SF.classify(batch, {"node2": tail}, ["node1", "node2"], {}, None, str(tmp_path), since)[0] == "signal"
+    (tmp_path / "raised").mkdir()
+    (tmp_path / "raised" / "node2-4242.txt").write_text("RuntimeError: a bug")
+    assert SF.classify(batch, {"node2": tail}, ["node1", "node2"], {}, None, str(tmp_path), since) == (
+        "script", "node2", "a rank's exit code -6, after an uncaught exception")  # fmt: skip
+    os.utime(tmp_path / "raised" / "node2-4242.txt", (since - 60, since - 60))  # an earlier attempt's
+    assert SF.classify(batch, {"node2": tail}, ["node1", "node2"], {}, None, str(tmp_path), since)[0] == "signal"
+
+
+def test_last_run_starts_after_the_last_requeue_or_restart() -> None:
+    lines = ["a", f"{SF.RESTART_MARK} 1", "b", f"{SF.ATTEMPT_MARK}2/3 on node1,node3 (node rank 0)", "c"]
+    assert SF.last_run(lines) == ["c"]
+    assert SF.last_run(["a"]) == ["a"]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A run dir with the restart rules of a 2-node job with 1 spare, and a stand-in scontrol
+    that says each node's state from FAKE_STATES (NODE=STATE,...)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\nfor kv in ${FAKE_STATES//,/ }; do [ "${kv%%=*}" = "$4" ] && s=${kv#*=}; done\n'
+        'echo "NodeName=$4 State=${s:-IDLE}"\n'
+    )
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_STATES", "")
+    d = tmp_path / "run"
+    (d / "logs").mkdir(parents=True)
+    cfg = {"nodes": 2, "restarts": 2, "restart_on": "infra", "min_nodes": 1, "backoff": 4}
+    (d / SF.CONFIG).write_text(json.dumps(cfg))
+    return d
+
+
+def attempts(d: Path) -> dict:  # type: ignore[type-arg]
+    return json.loads((d / SF.ATTEMPTS).read_text())  # type: ignore[no-any-return]
+
+
+def test_a_lost_node_is_replaced_by_the_spare_then_the_run_shrinks_then_stops(
+    run_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = run_dir
+    # the batch node first whatever the allocation's order; the rest beyond the job's count are spares
+    assert SF.start(str(d), "node2", ["node1", "node2", "node3"]) == ["node2", "node1"]
+    assert attempts(d)["spares"] == ["node3"] and attempts(d)["total"] == 3
+    # attempt 1: node1 lost -> the spare takes its node rank, after the back-off
+    (d / "batch.log").write_text("srun: error: node2: task 0: Exited with exit code 1\n"
+                                 "srun: StepId=9.0 task 1: running\n")  # fmt: skip
+    (d / "logs" / "node2.log").write_text("\n".join(PEER) + "\n")
+    assert SF.decide(str(d), 1, 1) == (["node2", "node3"], 4.0)
+    a = attempts(d)
+    first = a["attempts"][0]
+    assert [first[k] for k in ("outcome", "kind", "culprit", "excluded")] == ["failed", "lost", "node1", ["node1"]]
+    assert first["decision"] == "node1 excluded; spare node3 takes its node rank 1"
+    assert a["active"] == ["node2", "node3"] and a["spares"] == [] and a["attempts"][1]["hosts"] == ["node2", "node3"]
+    assert (d / "logs" / "node3.log").read_text().startswith("==> nodeops: attempt 2/3 on node2,node3 (node rank 1)")
+    assert "==> nodeops: attempt 2/3 on node2,node3 in 4s; after attempt 1: lost on node1; node1 excluded" in (
+        capsys.readouterr().err)  # fmt: skip
+    # attempt 2: Slurm marks node3 not responding -> no spare left: on with 1 node (min_nodes 1), back-off doubled
+    monkeypatch.setenv("FAKE_STATES", "node3=MIXED+NOT_RESPONDING")
+    with (d / "batch.log").open("a") as f:
+        f.write(f"{SF.ATTEMPT_MARK}2/3 ...\nsrun: error: node2: task 0: Exited with exit code 1\n")
+    assert SF.decide(str(d), 2, 1) == (["node2"], 8.0)
+    said = attempts(d)["attempts"][1]["decision"]
+    assert said == "node3 excluded; no spare left: going on with 1 node(s) (min_nodes 1)"
+    # attempt 3 fails too: no restart left
+    assert SF.decide(str(d), 3, 1) is None
+    a = attempts(d)
+    assert a["done"] and a["attempts"][2]["decision"].startswith("no restart: no restart left (2 used)")
+    lines = slurm.restart_lines(slurm.Poll("COMPLETED", "", "", "", recovery=a))
+    assert lines[0] == ("attempt 1/3 on node2,node1: failed (lost on node1: its task never ended (srun gave up "
+                        "waiting for it)); node1 excluded; spare node3 takes its node rank 1")  # fmt: skip
+    assert len(lines) == 3
+
+
+def test_the_scripts_own_error_is_not_restarted_and_the_batch_node_is_never_excluded(run_dir: Path) -> None:
+    d = run_dir
+    SF.start(str(d), "node1", ["node1", "node2", "node3"])
+    (d / "batch.log").write_text("srun: error: node2: task 1: Exited with exit code 3\n")
+    (d / "logs" / "node2.log").write_text("\n".join(OWN) + "\n")
+    assert SF.decide(str(d), 1, 3) is None
+    assert attempts(d)["attempts"][0]["decision"].startswith("no restart: the script's own error")
+    # the batch node killed (its task): restarted on the same nodes, the spare kept
+    SF.start(str(d), "node1", ["node1", "node2", "node3"])
+    (d / "batch.log").write_text("srun: error: node1: task 0: Killed\n")
+    (d / "logs" / "node2.log").write_text("")
+    assert SF.decide(str(d), 1, 137) == (["node1", "node2"], 4.0)
+    assert "node1 is the chief, which cannot be excluded" in attempts(d)["attempts"][0]["decision"]
+    # a success ends the record; the time-limit signal ends the restarts
+    assert SF.decide(str(d), 2, 0) is None and attempts(d)["done"]
+    SF.start(str(d), "node1", ["node1", "node2", "node3"])
+    assert SF.decide(str(d), 1, 1, "SIGUSR1") is None
+    assert "SIGUSR1 came" in attempts(d)["attempts"][0]["decision"]
+    # a hang: the report moves aside for the next attempt, whose watchdog starts clean
+    SF.start(str(d), "node1", ["node1", "node2", "node3"])
+    (d / "hang.json").write_text(json.dumps({"host": "node2", "why": "rank 1 stuck in all_reduce"}))
+    assert SF.decide(str(d), 1, 124) == (["node1", "node3"], 4.0)
+    assert not (d / "hang.json").exists() and (d / "hang.attempt-1.json").exists()
+    assert attempts(d)["attempts"][0]["outcome"] == "hung"
+
+
+def test_the_command_line_answers_what_the_batch_script_reads(run_dir: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": ""}
+    pkg = run_dir / SF.PACKAGE_DIR
+    spec = load_spec_text("slurm:\n  nodes: 2\n  spare_nodes: 1\nnodes:\n  - address: 10.0.0.1\n"
+                          "launch:\n  restarts: 2\n", "c.yaml")  # fmt: skip
+    for name, text in slurm_backend.recover_files(spec.spec).items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+
+    def sf(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["python3", "-E", "-s", "-m", "nodeops.slurm_failures", *args], cwd=pkg, env=env,
+                              capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+
+    p = sf("start", str(run_dir), "node1", "node1", "node2", "node3")
+    assert (p.returncode, p.stdout) == (0, "node1,node2\n"), p.stderr
+    (run_dir / "batch.log").write_text("srun: error: node2: task 1: Killed\n")
+    p = sf("decide", str(run_dir), "1", "137")
+    assert (p.returncode, p.stdout) == (0, "go node1,node3 3\n"), p.stderr  # restart_backoff's default 3s
+    p = sf("decide", str(run_dir), "2", "0")
+    assert (p.returncode, p.stdout) == (0, "stop\n"), p.stderr
+    p = sf("start", str(run_dir), "node1", "node1")
+    assert p.returncode == 1 and "the allocation has 1 node(s), fewer than the job's 2" in p.stderr
+    assert sf("bogus").returncode == 2
+
+
+FAKE_SRUN = """#!/bin/bash
+# the training step: its argv kept; attempt 1 (rdzv id 42-1) loses node2 (its task never ends),
+# later attempts end well. Each node's task line goes to its log, as srun --output would.
+pre=() nodes=
+while [ $# -gt 0 ] && [ "$1" != bash ]; do
+  case $1 in --nodelist=*) nodes=${1#--nodelist=} ;; esac
+  pre+=("$1"); shift
+done
+printf '%s | %s\\n' "${pre[*]}" "${*:4}" >> "$NODEOPS_RUN_DIR/srun.calls"  # (bash -c TASK left out)
+rdzv=$6
+for n in ${nodes//,/ }; do
+  echo "task on $n rdzv $rdzv restart $NODEOPS_RESTART_COUNT attempt $NODEOPS_ATTEMPT" >> "$NODEOPS_RUN_DIR/logs/$n.log"
+done
+if [ "$rdzv" = 42-1 ]; then
+  echo "[rank0]:RuntimeError: Connection closed by peer [10.9.0.2]:1" >> "$NODEOPS_RUN_DIR/logs/node1.log"
+  echo "srun: error: node1: task 0: Exited with exit code 1" >&2
+  echo "srun: StepId=42.0 task 1: running" >&2
+  exit 1
+fi
+"""
+
+
+def test_the_batch_script_restarts_on_the_spare_inside_its_allocation(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    spec = load_spec_text(f"slurm:\n  nodes: 2\n  spare_nodes: 1\nnodes:\n  - address: 10.0.0.1\n"
+                          f"workdir:\n  path: {work}\nlaunch:\n  restarts: 1\n  restart_backoff: 0\n",
+                          str(tmp_path / "cluster.yaml"))  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = ('#!/bin/sh\ncase "$1 $2" in\n  "show hostnames") printf "node1\\nnode2\\nnode3\\n" ;;\n'
+                '  "show node") echo "NodeName=$3 NodeAddr=10.9.0.1 State=IDLE" ;;\nesac\n')  # fmt: skip
+    for name, text in {"scontrol": scontrol, "srun": FAKE_SRUN}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, text in slurm_backend.run_files(spec).items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "NODEOPS_RUN_DIR": str(run),
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_JOB_NUM_NODES": "3",
+           "SLURMD_NODENAME": "node1"}  # fmt: skip
+    script = slurm.batch_script(spec)
+    assert "#SBATCH --nodes=3\n" in script and "#SBATCH --no-kill\n" in script
+    with (run / "batch.log").open("w") as log:  # as sbatch --output writes it
+        p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py", "--lr", "1 2"], env=env, stdout=log,
+                           stderr=subprocess.STDOUT, timeout=60, check=False)  # fmt: skip
+    out = (run / "batch.log").read_text()
+    assert p.returncode == 0, out
+    calls = (run / "srun.calls").read_text().splitlines()
+    assert len(calls) == 2, calls
+    assert "--nodes=2 --ntasks=2 --nodelist=node1,node2 " in calls[0] and "--overlap" not in calls[0]
+    assert calls[1].startswith("--overlap --nodes=2 --ntasks=2 --nodelist=node1,node3 "), calls[1]
+    assert calls[1].endswith(" | nodeops-task torchrun 42-2 0 train.py --lr 1 2")
+    assert "task on node3 rdzv 42-2 restart 1 attempt 2" in (run / "logs" / "node3.log").read_text()
+    assert "==> nodeops: attempt 2/2 on node1,node3 in 0s; after attempt 1: lost on node2; node2 excluded" in out
+    a = json.loads((run / SF.ATTEMPTS).read_text())
+    assert [x["outcome"] for x in a["attempts"]] == ["failed", "ok"] and a["done"]
+    assert json.loads((run / "result.json").read_text())["exit"] == 0
+    shutil.rmtree(run / SF.PACKAGE_DIR)  # no rules shipped: the job says so and starts no rank
+    (run / "srun.calls").unlink()
+    p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py"], env=env, capture_output=True, text=True,
+                       timeout=60, check=False)  # fmt: skip
+    assert p.returncode == 1 and "cannot plan the attempts" in p.stderr and not (run / "srun.calls").exists()
