@@ -355,9 +355,16 @@ class Poll:
         return not self.state and not self.error
 
     @property
+    def settled(self) -> bool:
+        """The batch script has ended and left its result, and Slurm is still completing the job:
+        a node that no longer answers (a lost one) holds it in COMPLETING until Slurm sets that
+        node down (SlurmdTimeout, 300 s by default). Nothing of the job runs on the others."""
+        return self.state == "COMPLETING" and self.result is not None and not self.result.get("requeued")
+
+    @property
     def ended(self) -> bool:
         """Nothing of the job runs any more: a final state, or forgotten with a final result."""
-        if self.state in TERMINAL:
+        if self.state in TERMINAL or self.settled:
             return True
         return self.forgotten  # Slurm never forgets a job that is still queued or requeued
 
@@ -496,7 +503,7 @@ class Follower:
 def outcome(st: Poll) -> str:
     """ok, stopped (cancelled), hung (the hang watchdog ended it) or failed: a finished job's
     outcome, as a run's verdict says it."""
-    if st.state == "COMPLETED" or (st.forgotten and st.result is not None and st.result.get("exit") == 0):
+    if st.state == "COMPLETED" or ((st.forgotten or st.settled) and (st.result or {}).get("exit") == 0):
         return "ok"
     if st.state == "CANCELLED":
         return "stopped"
@@ -614,6 +621,9 @@ def describe(st: Poll) -> str:
         if st.result is not None:
             return f"ended (exit {st.result.get('exit')}; Slurm has forgotten it since)"
         return "unknown to Slurm now (it forgets jobs MinJobAge after they end)"
+    if st.settled:
+        code = (st.result or {}).get("exit")
+        return f"ended (exit {code}); Slurm is still completing it on {st.nodes or 'its nodes'}"
     out = st.state
     if st.state == "PENDING" and st.reason not in ("", "None"):
         out += f" ({st.reason})"

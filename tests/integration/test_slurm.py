@@ -122,6 +122,11 @@ def project(cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathFactory) 
     spec = write_spec(cluster, d, "cluster.yaml")
     write_spec(cluster, d, "pending.yaml", "  sbatch_extra: {begin: now+8}\n")
     write_spec(cluster, d, "signal.yaml", "  signal: {name: USR1, seconds: 60}\n")
+    # automatic restarts: 2 nodes and a spare, no GPUs asked for (a rank per node)
+    restarts = write_spec(cluster, d, "restarts.yaml")
+    text = re.sub(r"(?m)^  gpus: \d+\n", "", restarts.read_text())
+    text = text.replace("  nodes: 3\n", "  nodes: 2\n  spare_nodes: 1\n")
+    restarts.write_text(text + "launch:\n  restarts: 1\n  restart_backoff: 1\n")
     (d / "signal.yaml").write_text((d / "signal.yaml").read_text().replace("time: '00:30:00'", "time: '2'"))
     # no GPUs asked for: the sandbox's are fake, and the fabric probe would pick NCCL for them
     (d / "fabric.yaml").write_text(re.sub(r"(?m)^  gpus: \d+\n", "", spec.read_text()))
@@ -559,3 +564,55 @@ def test_a_requeued_job_tells_its_ranks_the_restart_and_shows_each_attempt(
     assert re.search(r"attempt 1 on node\[1-3\]: exit [1-9]\d*, requeued\n.*attempt 2 on node\[1-3\]: exit 0",
                      st.stdout), st.stdout  # fmt: skip
     assert leftovers(cluster) == {}
+
+
+HASH = re.compile(r"^(node\d) \[rank(\d)\]:final param hash ([0-9a-f]{16})$", re.M)
+
+
+def test_a_killed_node_is_replaced_by_the_spare_inside_the_allocation(cluster: sandbox.Sandbox, project: Path) -> None:
+    """launch.restarts on Slurm: node2's container killed mid-run (after rank 0's first
+    checkpoint); the batch node names it lost, excludes it and restarts on node1 and the spare
+    node3 in the same allocation, resuming from the checkpoint. Kills node2 for good: keep it the
+    module's last test (the module's sandbox goes with it)."""
+    spec = project / "restarts.yaml"
+    train = ["ddp_train.py", "--steps", "60", "--sleep", "0.25"]
+    ref = nodeops("launch", str(spec), "--", *train, timeout=300)  # no fault: one attempt, as without restarts
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    want = {h for _, _, h in HASH.findall(ref.stdout)}
+    assert len(HASH.findall(ref.stdout)) == 2 and len(want) == 1, ref.stdout[-2000:]
+    assert "attempt(s) of job" not in ref.stderr, ref.stderr[-2000:]
+
+    proc = subprocess.Popen([NODEOPS, "launch", str(spec), "--", *train, "--checkpoint", "slurm.pt"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not _exists(cluster, f"{WORKDIR}/slurm.pt"):
+            assert time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.3)
+        time.sleep(1)
+        subprocess.run(["docker", "kill", cluster.nodes[1].container], check=True, capture_output=True)
+        killed = time.monotonic()
+        out, err = proc.communicate(timeout=480)
+        print(f"launch returned {time.monotonic() - killed:.1f}s after node2 was killed")
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-3000:] + err[-4000:]
+    assert re.search(r"attempt 1/2 on node1,node2: failed \(lost on node2: .*\); node2 excluded; spare node3 "
+                     r"takes its node rank 1", err), err[-4000:]  # fmt: skip
+    assert "attempt 2/2 on node1,node3: finished, every rank exited 0" in err, err[-4000:]
+    last = out[out.rindex("==> nodeops: attempt 2/2") :] if "==> nodeops: attempt 2/2" in out else out
+    got = {(host, rank): h for host, rank, h in HASH.findall(last)}
+    # the spare ran rank 1; the last attempt's ranks end with the uninterrupted run's parameters
+    assert set(got) == {("node1", "0"), ("node3", "1")} and set(got.values()) == want, (got, want)
+    assert re.search(r"^node1 \[rank0\]:resumed from slurm\.pt at step \d+$", out, re.M), out[-3000:]
+    run_id = re.search(r"==> run (\S+): sbatch", err).group(1)  # type: ignore[union-attr]
+    st = nodeops("status", run_id)
+    # Slurm holds the job COMPLETING until it sets the lost node down (SlurmdTimeout, 300 s here)
+    assert st.returncode == 0 and re.search(r"^job \d+ +(COMPLETED|ended \(exit 0\))", st.stdout), st.stdout
+    assert "attempt 2/2 on node1,node3: finished" in st.stdout, st.stdout
+    assert leftovers(cluster) == {}
+
+
+def _exists(sb: sandbox.Sandbox, path: str) -> bool:
+    return subprocess.run(["docker", "exec", sb.nodes[0].container, "test", "-s", path], capture_output=True,
+                          check=False).returncode == 0  # fmt: skip

@@ -272,3 +272,16 @@ def test_the_batch_script_restarts_on_the_spare_inside_its_allocation(tmp_path: 
     p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py"], env=env, capture_output=True, text=True,
                        timeout=60, check=False)  # fmt: skip
     assert p.returncode == 1 and "cannot plan the attempts" in p.stderr and not (run / "srun.calls").exists()
+
+
+def test_a_job_whose_batch_script_ended_is_over_while_a_lost_node_holds_it_in_completing() -> None:
+    """A killed node keeps its job COMPLETING until Slurm sets the node down (SlurmdTimeout, 300 s
+    by default): with the batch script's result there, the run is over and its verdict is read."""
+    st = slurm.Poll("COMPLETING", "", "0:0", "node2", result={"exit": 0, "requeued": False})
+    assert st.ended and slurm.outcome(st) == "ok" and slurm.exit_code(st) == 0
+    assert slurm.describe(st) == "ended (exit 0); Slurm is still completing it on node2"
+    failed = slurm.Poll("COMPLETING", "", "", "node2", result={"exit": 3, "requeued": False})
+    assert failed.ended and slurm.outcome(failed) == "failed" and slurm.exit_code(failed) == 3
+    # no result yet (the batch script is still ending), or requeued (it comes back): not over
+    assert not slurm.Poll("COMPLETING", "", "", "node2").ended
+    assert not slurm.Poll("COMPLETING", "", "", "node2", result={"exit": 1, "requeued": True}).ended

@@ -692,7 +692,7 @@ class SlurmBackend(Backend):
         state = st.state or (last_state_of(job) if last_state_of(job) in slurm.TERMINAL else "")
         if not state:  # forgotten, with neither a final state seen nor a result: it ended, how is lost
             return RunState("gone", f"Slurm job {slurm_id(job)}: ended; Slurm has forgotten how (no result.json)")
-        final = slurm.outcome(dataclasses.replace(st, state=state)) if state in slurm.TERMINAL else ""
+        final = slurm.outcome(dataclasses.replace(st, state=state)) if state in slurm.TERMINAL or st.settled else ""
         out = RunState(final or _RUN_STATES.get(state, "failed"),
                        f"Slurm job {slurm_id(job)}: {slurm.describe(st) if st.state else state}")  # fmt: skip
         if out.state in ("ok", "failed", "stopped", "hung"):
