@@ -10,6 +10,10 @@ ships this module, with what it imports, into its run dir as a package of its ow
            up to the job's node count; the rest of the allocation are the spares
     python3 -E -s -m nodeops.slurm_failures decide RUN_DIR ATTEMPT EXIT [SIGNAL]
         -> 'go NODES SECONDS' (the next attempt's nodes, after a back-off) or 'stop'
+    python3 -E -s -m nodeops.slurm_failures begin RUN_DIR ATTEMPT
+        -> the attempt starts now (recorded; each node's log marks where)
+    python3 -E -s -m nodeops.slurm_failures abort RUN_DIR WHY
+        -> the decided attempt will not start (the time-limit signal came): the record ends
 
 ``decide`` applies the ssh supervisor's rules (recovery.py) to what Slurm and the logs say:
 a node whose task never ended when srun gave up on the step, or that Slurm marks not
@@ -46,6 +50,8 @@ TAIL_LINES = failures.TAIL_LINES
 LOST_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "POWERED_DOWN", "POWERING_DOWN")
 
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? [0-9,-]+: (?:Exited with exit code (\d+)|(\w+))")
+# srun naming a task's node ("srun: error: node2: task 1: ..."): the task numbers' own map
+_SRUN_NAMED = re.compile(r"^srun: error: (\S+): tasks? ([0-9,-]+):")
 # srun's list of a step's tasks when --wait ran out: those that never ended
 _SRUN_RUNNING = re.compile(r"^srun: StepId=\S+ tasks? ([0-9,-]+): running")
 
@@ -108,16 +114,25 @@ def _task_ids(text: str) -> list[int]:
 def lost_nodes(batch_lines: Sequence[str], step_nodes: Sequence[str],
                node_states: Mapping[str, str]) -> list[tuple[str, str]]:  # fmt: skip
     """The step's nodes that were lost, each with why: a task srun still listed as running when
-    it gave up on the step (task i runs on the step's i-th node: one task per node), or a node
-    Slurm marks not responding or down (``node_states``: scontrol's State= of each node)."""
+    it gave up on the step (its node as srun named it elsewhere, else the step's i-th node in the
+    allocation's order: one task per node), or a node Slurm marks not responding or down
+    (``node_states``: scontrol's State= of each node)."""
     out: dict[str, str] = {}
+    named = {i: m.group(1) for line in batch_lines for m in [_SRUN_NAMED.match(line)] if m
+             for i in _task_ids(m.group(2))}  # fmt: skip
+    # the tasks srun did not name: the step's other nodes, in order
+    unnamed = [n for n in step_nodes if n not in named.values()]
+    rest = {i: unnamed.pop(0) for i in range(len(step_nodes)) if i not in named and unnamed}
     for line in batch_lines:
         m = _SRUN_RUNNING.match(line)
         for i in _task_ids(m.group(1)) if m else []:
-            if i < len(step_nodes):
-                out.setdefault(step_nodes[i], "its task never ended (srun gave up waiting for it)")
+            node = named.get(i) or rest.get(i)
+            if node is not None:
+                out.setdefault(node, "its task never ended (srun gave up waiting for it)")
     for node in step_nodes:
-        flags = set(re.split(r"[+*]", node_states.get(node, "")))
+        state = node_states.get(node, "")
+        # scontrol's "+NOT_RESPONDING", or the "*" older Slurm (and sinfo) append instead
+        flags = set(re.split(r"[+*]", state)) | ({"NOT_RESPONDING"} if state.endswith("*") else set())
         bad = sorted(flags & set(LOST_STATES))
         if bad:
             out[node] = f"Slurm marks it {'+'.join(bad)}" + (f"; {out[node]}" if node in out else "")
@@ -208,81 +223,120 @@ def node_states(nodes: Sequence[str]) -> dict[str, str]:
 
 def start(run_dir: str, batch_node: str, nodes: Sequence[str]) -> list[str]:
     """The first attempt's nodes: the batch node (it runs the batch script and rank 0, so it is
-    never excluded), then the allocation's others up to the job's count; the rest are spares."""
+    never excluded), then the allocation's others up to the job's count; the rest are spares.
+    ``nodes``: the allocation in Slurm's order (a step numbers its tasks in that order)."""
     cfg = _read_json(os.path.join(run_dir, CONFIG))
     count = int(cfg["nodes"])
     order = [batch_node, *[n for n in nodes if n != batch_node]] if batch_node in nodes else list(nodes)
     if len(order) < count:
         raise ValueError(f"the allocation has {len(order)} node(s), fewer than the job's {count}")
     active, spares = order[:count], order[count:]
-    doc = {"total": int(cfg["restarts"]) + 1, "active": active, "spares": spares,
+    doc = {"total": int(cfg["restarts"]) + 1, "allocation": list(nodes), "active": active, "spares": spares,
            "attempts": [{"attempt": 1, "hosts": active, "started": time.time()}]}  # fmt: skip
     _write_json(os.path.join(run_dir, ATTEMPTS), doc)
     return active
 
 
+def _close(doc: dict[str, Any], path: str, decision: str) -> None:
+    """The run ends with the last attempt: what was decided, and the record done."""
+    if decision:
+        doc["attempts"][-1]["decision"] = decision
+    doc["done"] = True
+    _write_json(path, doc)
+
+
 def decide(run_dir: str, attempt: int, code: int, signal: str = "") -> tuple[list[str], float] | None:
     """After attempt ``attempt`` ended with ``code`` (srun's): record it, and return the next
-    attempt's nodes and back-off, or None when the run ends here."""
+    attempt's nodes and back-off (:func:`begin` then starts it), or None when the run ends here."""
     cfg = _read_json(os.path.join(run_dir, CONFIG))
     path = os.path.join(run_dir, ATTEMPTS)
     doc = _read_json(path)
     a = doc["attempts"][-1]
+    if a.get("attempt") != attempt:
+        raise ValueError(f"attempts.json's last attempt is {a.get('attempt')}, not {attempt}")
     active: list[str] = list(doc["active"])
     a["ended"] = time.time()
     hang_path = os.path.join(run_dir, "hang.json")
-    hang = None
+    hang: dict[str, Any] | None = None
     if os.path.exists(hang_path):
         try:
-            hang = _read_json(hang_path)
+            got = _read_json(hang_path)
         except (OSError, ValueError):
-            hang = {}
+            got = {}
+        hang = got if isinstance(got, dict) else {}
     a["outcome"] = "ok" if code == 0 else "hung" if hang is not None else "failed"
     if code == 0:
-        doc["done"] = True
-        _write_json(path, doc)
+        _close(doc, path, "")
         return None
     batch = last_run(_lines(os.path.join(run_dir, BATCH_LOG)))
     tails = {n: last_run(_lines(os.path.join(run_dir, "logs", f"{n}.log"), 1 << 20))[-TAIL_LINES:] for n in active}
     states = node_states([*active, *doc["spares"]])
-    kind, culprit, why = classify(batch, tails, active, states, hang, run_dir, float(a.get("started") or 0))
+    # srun numbers a step's tasks in the allocation's order, whatever --nodelist's order
+    allocation = list(doc.get("allocation") or active)
+    in_order = sorted(active, key=lambda n: allocation.index(n) if n in allocation else len(allocation))
+    kind, culprit, why = classify(batch, tails, in_order, states, hang, run_dir, float(a.get("started") or 0))
     a.update(kind=kind, culprit=culprit, why=why)
     again, why_not = R.should_restart(kind, str(cfg.get("restart_on") or "infra"), attempt, int(cfg["restarts"]))
     if again and signal:
         again, why_not = False, f"{signal} came (the time limit is near)"
     if not again:
-        a["decision"] = f"no restart: {why_not}"
-        doc["done"] = True
-        _write_json(path, doc)
+        _close(doc, path, f"no restart: {why_not}")
         return None
     # spares Slurm marks lost are never brought in
     spares = [{"name": n} for n in doc["spares"] if not lost_nodes([], [n], states)]
     hosts, spare, decision = R.next_hosts([{"name": n} for n in active], spares, culprit, kind in R.INFRA,
                                           int(cfg.get("min_nodes") or len(active)))  # fmt: skip
+    # torchrun's c10d rendezvous gives node ranks in the order the nodes join: a spare takes the
+    # failed node's place, not its rank (the ssh backend's static ranks say the rank)
+    decision = re.sub(r"takes its node rank \d+", "takes its place", decision).replace(
+        "is the chief, which cannot", "is the batch node, which cannot"
+    )
     if hosts is None:
-        a["decision"] = f"no restart: {decision}"
-        doc["done"] = True
-        _write_json(path, doc)
+        _close(doc, path, f"no restart: {decision}")
         return None
     new = [h["name"] for h in hosts]
-    a["decision"] = decision
-    a["excluded"] = [culprit] if culprit is not None and culprit not in new else []
     wait = R.backoff(float(cfg.get("backoff") or 0), attempt)
-    a["backoff"] = wait
-    doc["active"] = new
-    doc["spares"] = [n for n in doc["spares"] if spare is None or n != spare["name"]]
+    a.update(decision=decision, excluded=[culprit] if culprit is not None and culprit not in new else [], backoff=wait)
     if hang is not None:  # this attempt's report, kept under its own name: the next starts clean
         os.replace(hang_path, os.path.join(run_dir, f"hang.attempt-{attempt}.json"))
     note = f"after attempt {attempt}: {kind} on {culprit}" + (f"; {culprit} excluded" if a["excluded"] else "")
-    doc["attempts"].append({"attempt": attempt + 1, "hosts": new, "started": time.time() + wait})
+    doc.update(active=new, spares=[n for n in doc["spares"] if spare is None or n != spare["name"]],
+               next={"hosts": new, "note": note})  # fmt: skip
     _write_json(path, doc)
-    total = int(doc["total"])
-    for n in new:  # each node's log shows where the attempt starts (last_run cuts there)
-        with open(os.path.join(run_dir, "logs", f"{n}.log"), "a") as f:
-            f.write(R.marker(attempt + 1, total, new, n, note) + "\n")
-    print(f"{ATTEMPT_MARK}{attempt + 1}/{total} on {','.join(new)} in {wait:.0f}s; {note}: {why}; {decision}",
-          file=sys.stderr, flush=True)  # fmt: skip
     return new, wait
+
+
+def begin(run_dir: str, attempt: int) -> list[str]:
+    """Attempt ``attempt`` (after a restart) starts now, on the nodes :func:`decide` chose: it is
+    added to the record, and each node's log and the batch log mark where it begins (last_run
+    cuts there). Returns its nodes."""
+    path = os.path.join(run_dir, ATTEMPTS)
+    doc = _read_json(path)
+    nxt = doc.pop("next", None)
+    if not isinstance(nxt, dict) or doc["attempts"][-1].get("attempt") != attempt - 1:
+        raise ValueError(f"no attempt {attempt} was decided")
+    new, total = list(nxt["hosts"]), int(doc["total"])
+    doc["attempts"].append({"attempt": attempt, "hosts": new, "started": time.time()})
+    _write_json(path, doc)
+    mark = f"{ATTEMPT_MARK}{attempt}/{total} on {','.join(new)}; {nxt.get('note', '')}"
+    for n in new:
+        with open(os.path.join(run_dir, "logs", f"{n}.log"), "a") as f:
+            f.write(mark + "\n")
+    print(mark, file=sys.stderr, flush=True)
+    return new
+
+
+def abort(run_dir: str, why: str) -> None:
+    """The next attempt was decided but will not start (the time-limit signal came during the
+    back-off, or the rules failed): the record ends with the last attempt, saying why."""
+    path = os.path.join(run_dir, ATTEMPTS)
+    doc = _read_json(path)
+    doc.pop("next", None)
+    last = doc["attempts"][-1]
+    if "outcome" not in last:  # it never ended in the rules' view (they failed while judging it)
+        last.update(outcome="failed", ended=time.time())
+    decision = str(last.get("decision") or "")
+    _close(doc, path, f"{decision}; but {why}: no next attempt" if decision else f"no restart: {why}")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -294,11 +348,17 @@ def main(argv: Sequence[str]) -> int:
             nxt = decide(argv[1], int(argv[2]), int(argv[3]), argv[4] if len(argv) == 5 else "")
             print("stop" if nxt is None else f"go {','.join(nxt[0])} {nxt[1]:.0f}")
             return 0
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        print(f"nodeops: restarts: {e}", file=sys.stderr)
+        if len(argv) == 3 and argv[0] == "begin":
+            print(",".join(begin(argv[1], int(argv[2]))))
+            return 0
+        if len(argv) == 3 and argv[0] == "abort":
+            abort(argv[1], argv[2])
+            return 0
+    except Exception as e:  # never a traceback in the batch log: the batch script stops restarting
+        print(f"nodeops: restarts: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    print("usage: python3 -m nodeops.slurm_failures start RUN_DIR BATCH_NODE NODE... | "
-          "decide RUN_DIR ATTEMPT EXIT [SIGNAL]", file=sys.stderr)  # fmt: skip
+    print("usage: python3 -m nodeops.slurm_failures start RUN_DIR BATCH_NODE NODE... | decide RUN_DIR ATTEMPT "
+          "EXIT [SIGNAL] | begin RUN_DIR ATTEMPT | abort RUN_DIR WHY", file=sys.stderr)  # fmt: skip
     return 2
 
 

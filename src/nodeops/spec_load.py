@@ -256,9 +256,10 @@ def _slurm_checks(raw: dict[str, Any], nodes: list[tuple[int, dict[str, Any]]],
     if _count(slurm.get("spare_nodes")) and not restarts:
         add(("slurm", "spare_nodes"), "a spare node runs only when a restart replaces a failed node, and "
             "launch.restarts is 0", "set launch.restarts (e.g. 3), or remove slurm.spare_nodes")  # fmt: skip
-    if _count(slurm.get("spare_nodes")) and restarts and slurm.get("gpus") is not None:
-        add(("slurm", "gpus"), "gpus is a total, which Slurm would spread over the spares too (sbatch --gpus)",
-            "use gpus_per_node with spare_nodes")  # fmt: skip
+    if restarts and slurm.get("gpus") is not None:
+        add(("slurm", "gpus"), "gpus is a total (sbatch --gpus): Slurm would spread it over the spares too, and "
+            "a restart's step on fewer nodes would ask for all of it",
+            "use gpus_per_node with launch.restarts")  # fmt: skip
     if restarts and _count(slurm.get("max_requeues")):
         add(("slurm", "max_requeues"), "launch.restarts restarts the run inside its allocation (without the failed "
             "node); max_requeues would requeue the whole job as well", "keep one: launch.restarts, or "

@@ -231,7 +231,10 @@ def test_the_cli_refuses_exactly_what_a_backend_lacks(
         assert r.exit_code == (2 if refused else 0), (name, cap, r.output)
     for cap, text in SPEC_OPTIONS.items():
         asking = tmp_path / f"{cap}.yaml"
-        asking.write_text(spec.read_text() + text)
+        # (restarts on Slurm take GPUs per node, not a total: the spec check says so first)
+        base = spec.read_text()
+        base = base.replace("  gpus: 4\n", "  gpus_per_node: 2\n") if cap == "restarts" else base
+        asking.write_text(base + text)
         r = CliRunner().invoke(app, ["launch", "--dry-run", str(asking), "train.py"])
         refused = f"cannot be used with backend: {name} (nothing was run)" in r.output
         assert refused == (not caps[cap]), (name, cap, r.output)

@@ -5,9 +5,11 @@ node's container killed on a real Slurm, is tests/integration/test_slurm.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -47,7 +49,18 @@ def test_a_task_srun_gave_up_on_or_a_node_slurm_marks_not_responding_is_lost() -
     ]
     states = {"node1": "MIXED", "node2": "IDLE+DRAIN", "node3": "MIXED+NOT_RESPONDING"}
     assert SF.lost_nodes([], nodes, states) == [("node3", "Slurm marks it NOT_RESPONDING")]
-    assert SF.lost_nodes([], nodes, {"node2": "DOWN*"}) == [("node2", "Slurm marks it DOWN")]
+    assert SF.lost_nodes([], nodes, {"node2": "DOWN"}) == [("node2", "Slurm marks it DOWN")]
+    # older Slurm appends "*" for a node that does not respond
+    assert SF.lost_nodes([], nodes, {"node2": "MIXED*"}) == [("node2", "Slurm marks it NOT_RESPONDING")]
+    # srun numbers tasks in the allocation's order: the node it named for a task wins over the guess
+    named = [
+        "srun: error: node1: task 0: Exited with exit code 1",
+        "srun: error: node4: task 2: Terminated",
+        "srun: StepId=3.1 task 1: running",
+    ]
+    assert SF.lost_nodes(named, ["node1", "node4", "node3"], {}) == [
+        ("node3", "its task never ended (srun gave up waiting for it)")
+    ]
     assert SF.lost_nodes(["srun: StepId=1.0 task 7: running"], nodes, {}) == []  # beyond the step: no guess
 
 
@@ -127,18 +140,24 @@ def test_a_lost_node_is_replaced_by_the_spare_then_the_run_shrinks_then_stops(
     assert SF.start(str(d), "node2", ["node1", "node2", "node3"]) == ["node2", "node1"]
     assert attempts(d)["spares"] == ["node3"] and attempts(d)["total"] == 3
     # attempt 1: node1 lost -> the spare takes its node rank, after the back-off
-    (d / "batch.log").write_text("srun: error: node2: task 0: Exited with exit code 1\n"
-                                 "srun: StepId=9.0 task 1: running\n")  # fmt: skip
+    (d / "batch.log").write_text("srun: error: node2: task 1: Exited with exit code 1\n"
+                                 "srun: StepId=9.0 task 0: running\n")  # fmt: skip
     (d / "logs" / "node2.log").write_text("\n".join(PEER) + "\n")
     assert SF.decide(str(d), 1, 1) == (["node2", "node3"], 4.0)
     a = attempts(d)
     first = a["attempts"][0]
     assert [first[k] for k in ("outcome", "kind", "culprit", "excluded")] == ["failed", "lost", "node1", ["node1"]]
-    assert first["decision"] == "node1 excluded; spare node3 takes its node rank 1"
-    assert a["active"] == ["node2", "node3"] and a["spares"] == [] and a["attempts"][1]["hosts"] == ["node2", "node3"]
-    assert (d / "logs" / "node3.log").read_text().startswith("==> nodeops: attempt 2/3 on node2,node3 (node rank 1)")
-    assert "==> nodeops: attempt 2/3 on node2,node3 in 4s; after attempt 1: lost on node1; node1 excluded" in (
-        capsys.readouterr().err)  # fmt: skip
+    # (c10d gives node ranks in the order the nodes join: the spare takes the node's place, not its rank)
+    assert first["decision"] == "node1 excluded; spare node3 takes its place"
+    assert a["active"] == ["node2", "node3"] and a["spares"] == [] and len(a["attempts"]) == 1
+    # the next attempt is in the record once it starts (after the back-off), not before
+    assert SF.begin(str(d), 2) == ["node2", "node3"]
+    assert attempts(d)["attempts"][1]["hosts"] == ["node2", "node3"] and "next" not in attempts(d)
+    mark = "==> nodeops: attempt 2/3 on node2,node3; after attempt 1: lost on node1; node1 excluded"
+    assert (d / "logs" / "node3.log").read_text() == mark + "\n"
+    assert mark in capsys.readouterr().err
+    with pytest.raises(ValueError, match="no attempt 3 was decided"):
+        SF.begin(str(d), 3)
     # attempt 2: Slurm marks node3 not responding -> no spare left: on with 1 node (min_nodes 1), back-off doubled
     monkeypatch.setenv("FAKE_STATES", "node3=MIXED+NOT_RESPONDING")
     with (d / "batch.log").open("a") as f:
@@ -146,13 +165,14 @@ def test_a_lost_node_is_replaced_by_the_spare_then_the_run_shrinks_then_stops(
     assert SF.decide(str(d), 2, 1) == (["node2"], 8.0)
     said = attempts(d)["attempts"][1]["decision"]
     assert said == "node3 excluded; no spare left: going on with 1 node(s) (min_nodes 1)"
+    SF.begin(str(d), 3)
     # attempt 3 fails too: no restart left
     assert SF.decide(str(d), 3, 1) is None
     a = attempts(d)
     assert a["done"] and a["attempts"][2]["decision"].startswith("no restart: no restart left (2 used)")
     lines = slurm.restart_lines(slurm.Poll("COMPLETED", "", "", "", recovery=a))
     assert lines[0] == ("attempt 1/3 on node2,node1: failed (lost on node1: its task never ended (srun gave up "
-                        "waiting for it)); node1 excluded; spare node3 takes its node rank 1")  # fmt: skip
+                        "waiting for it)); node1 excluded; spare node3 takes its place")  # fmt: skip
     assert len(lines) == 3
 
 
@@ -168,8 +188,9 @@ def test_the_scripts_own_error_is_not_restarted_and_the_batch_node_is_never_excl
     (d / "batch.log").write_text("srun: error: node1: task 0: Killed\n")
     (d / "logs" / "node2.log").write_text("")
     assert SF.decide(str(d), 1, 137) == (["node1", "node2"], 4.0)
-    assert "node1 is the chief, which cannot be excluded" in attempts(d)["attempts"][0]["decision"]
+    assert "node1 is the batch node, which cannot be excluded" in attempts(d)["attempts"][0]["decision"]
     # a success ends the record; the time-limit signal ends the restarts
+    SF.begin(str(d), 2)
     assert SF.decide(str(d), 2, 0) is None and attempts(d)["done"]
     SF.start(str(d), "node1", ["node1", "node2", "node3"])
     assert SF.decide(str(d), 1, 1, "SIGUSR1") is None
@@ -200,8 +221,14 @@ def test_the_command_line_answers_what_the_batch_script_reads(run_dir: Path) -> 
     (run_dir / "batch.log").write_text("srun: error: node2: task 1: Killed\n")
     p = sf("decide", str(run_dir), "1", "137")
     assert (p.returncode, p.stdout) == (0, "go node1,node3 3\n"), p.stderr  # restart_backoff's default 3s
+    p = sf("begin", str(run_dir), "2")
+    assert (p.returncode, p.stdout) == (0, "node1,node3\n"), p.stderr
     p = sf("decide", str(run_dir), "2", "0")
     assert (p.returncode, p.stdout) == (0, "stop\n"), p.stderr
+    # the rules failing (a record that does not read) is said in one line, never a traceback
+    (run_dir / SF.ATTEMPTS).write_text('{"attempts": []}')
+    p = sf("decide", str(run_dir), "3", "1")
+    assert p.returncode == 1 and p.stderr.startswith("nodeops: restarts: IndexError") and "Traceback" not in p.stderr
     p = sf("start", str(run_dir), "node1", "node1")
     assert p.returncode == 1 and "the allocation has 1 node(s), fewer than the job's 2" in p.stderr
     assert sf("bogus").returncode == 2
@@ -263,7 +290,7 @@ def test_the_batch_script_restarts_on_the_spare_inside_its_allocation(tmp_path: 
     assert calls[1].startswith("--overlap --nodes=2 --ntasks=2 --nodelist=node1,node3 "), calls[1]
     assert calls[1].endswith(" | nodeops-task torchrun 42-2 0 train.py --lr 1 2")
     assert "task on node3 rdzv 42-2 restart 1 attempt 2" in (run / "logs" / "node3.log").read_text()
-    assert "==> nodeops: attempt 2/2 on node1,node3 in 0s; after attempt 1: lost on node2; node2 excluded" in out
+    assert "==> nodeops: attempt 2/2 on node1,node3; after attempt 1: lost on node2; node2 excluded" in out
     a = json.loads((run / SF.ATTEMPTS).read_text())
     assert [x["outcome"] for x in a["attempts"]] == ["failed", "ok"] and a["done"]
     assert json.loads((run / "result.json").read_text())["exit"] == 0
@@ -285,3 +312,53 @@ def test_a_job_whose_batch_script_ended_is_over_while_a_lost_node_holds_it_in_co
     # no result yet (the batch script is still ending), or requeued (it comes back): not over
     assert not slurm.Poll("COMPLETING", "", "", "node2").ended
     assert not slurm.Poll("COMPLETING", "", "", "node2", result={"exit": 1, "requeued": True}).ended
+
+
+def test_the_time_limit_signal_during_the_back_off_ends_the_run_and_leaves_no_sleep(tmp_path: Path) -> None:
+    """SIGUSR1 (slurm.signal) during the back-off: no next attempt, the record closed saying why,
+    and the back-off's sleep ended with the batch shell."""
+    work = tmp_path / "work"
+    work.mkdir()
+    spec = load_spec_text(f"slurm:\n  nodes: 2\n  spare_nodes: 1\n  signal: {{name: USR1, seconds: 60}}\n"
+                          f"nodes:\n  - address: 10.0.0.1\nworkdir:\n  path: {work}\n"
+                          "launch:\n  restarts: 2\n  restart_backoff: 37s\n",
+                          str(tmp_path / "cluster.yaml"))  # fmt: skip
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = ('#!/bin/sh\ncase "$1 $2" in\n  "show hostnames") printf "node1\\nnode2\\nnode3\\n" ;;\n'
+                '  "show node") echo "NodeName=$3 NodeAddr=10.9.0.1 State=IDLE" ;;\nesac\n')  # fmt: skip
+    for name, text in {"scontrol": scontrol, "srun": FAKE_SRUN}.items():
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    run = tmp_path / "run"
+    run.mkdir()
+    for name, text in slurm_backend.run_files(spec).items():
+        (run / name).parent.mkdir(parents=True, exist_ok=True)
+        (run / name).write_text(text)
+    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "NODEOPS_RUN_DIR": str(run),
+           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_JOB_NUM_NODES": "3",
+           "SLURMD_NODENAME": "node1"}  # fmt: skip
+    with (run / "batch.log").open("w") as log:
+        proc = subprocess.Popen(["bash", "-c", slurm.batch_script(spec), "job.sbatch", "train.py"], env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while '"next"' not in ((run / SF.ATTEMPTS).read_text() if (run / SF.ATTEMPTS).exists() else ""):
+                assert time.monotonic() < deadline and proc.poll() is None, (run / "batch.log").read_text()
+                time.sleep(0.1)
+            time.sleep(0.5)  # in the back-off's sleep
+            t = time.monotonic()
+            proc.send_signal(signal.SIGUSR1)
+            assert proc.wait(timeout=15) == 1, (run / "batch.log").read_text()
+            assert time.monotonic() - t < 10
+            # (before the cleanup below, which would end it anyway)
+            ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+            assert "sleep 37" not in ps
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    a = json.loads((run / SF.ATTEMPTS).read_text())
+    assert len(a["attempts"]) == 1 and a["done"] and "next" not in a, a
+    assert a["attempts"][0]["decision"] == ("node2 excluded; spare node3 takes its place; but SIGUSR1 came (the "
+                                            "time limit is near): no next attempt")  # fmt: skip
+    assert len((run / "srun.calls").read_text().splitlines()) == 1

@@ -232,6 +232,12 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     batch = tails.pop("batch", [])
     code = slurm.exit_code(st, batch, tails)
     first = SF.first_failure(batch, tails)
+    attempts = (st.recovery or {}).get("attempts") or [{}]
+    blamed = attempts[-1].get("culprit") if isinstance(attempts[-1], dict) else None
+    if isinstance(blamed, str) and blamed and (first is None or first[0] != blamed):
+        # launch.restarts: the batch node's rules named the last attempt's culprit (a lost node
+        # reports no failure of its own: srun names only the nodes whose ranks lost it)
+        first = (blamed, code)
     keep_verdict(job, st, code, None if first is None else {"host": first[0], "code": first[1],
                                                             "why": f"exit code {first[1]}"})  # fmt: skip
     sig = (st.result or {}).get("signal")

@@ -48,12 +48,15 @@ def alive(pid: int) -> bool:
         return False
 
 
-def look(run_dir: str) -> tuple[tuple[str, int], ...]:
-    """What progress changes: each node log's size, and the progress file's mtime."""
+def look(run_dir: str, nodes: list[str]) -> tuple[tuple[str, int], ...]:
+    """What progress changes: each node log's size (the training step's nodes: a node a restart
+    excluded may still write), and the progress file's mtime."""
+    names = {f"{n}.log" for n in nodes}
     seen = []
     try:
         with os.scandir(os.path.join(run_dir, "logs")) as it:
-            seen += [(e.name, e.stat().st_size) for e in it if e.name.endswith(".log")]
+            seen += [(e.name, e.stat().st_size) for e in it
+                     if e.name.endswith(".log") and (not names or e.name in names)]  # fmt: skip
     except OSError:
         pass
     with contextlib.suppress(OSError):
@@ -90,7 +93,9 @@ def take_stacks(run_dir: str, nodes: list[str]) -> tuple[list[dict[str, Any]], l
         if name.endswith(".out"):
             os.unlink(os.path.join(out_dir, name))
     count = len(nodes) or int(os.environ.get("SLURM_JOB_NUM_NODES", "1") or 1)
-    argv = ["srun", "--overlap", f"--nodes={count}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
+    # the training step's own nodes (after a restart, not the excluded node or an idle spare)
+    where = [f"--nodelist={','.join(nodes)}"] if nodes else []
+    argv = ["srun", "--overlap", f"--nodes={count}", *where, "--ntasks-per-node=1", "--kill-on-bad-exit=0",
             f"--output={out_dir}/%N.out", "python3", os.path.join(run_dir, "stacks.py"), run_dir]  # fmt: skip
     try:
         subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -133,11 +138,11 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
 
 
 def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
-    seen = look(run_dir)
+    seen = look(run_dir, nodes)
     last = time.monotonic()
     while alive(srun_pid):
         time.sleep(TICK)
-        now = look(run_dir)
+        now = look(run_dir, nodes)
         if now != seen:
             seen, last = now, time.monotonic()
         elif time.monotonic() - last > timeout:
