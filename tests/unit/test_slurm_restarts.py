@@ -256,12 +256,13 @@ fi
 """
 
 
-def test_the_batch_script_restarts_on_the_spare_inside_its_allocation(tmp_path: Path) -> None:
+def batch_job(tmp_path: Path, slurm_extra: str, launch: str) -> tuple[str, Path, dict[str, str]]:
+    """A 2-node job with 1 spare (node3) on a stand-in allocation node[1-3], node1 the batch
+    node: its batch script, its run dir with what launch ships, and the job's env."""
     work = tmp_path / "work"
     work.mkdir()
-    spec = load_spec_text(f"slurm:\n  nodes: 2\n  spare_nodes: 1\nnodes:\n  - address: 10.0.0.1\n"
-                          f"workdir:\n  path: {work}\nlaunch:\n  restarts: 1\n  restart_backoff: 0\n",
-                          str(tmp_path / "cluster.yaml"))  # fmt: skip
+    spec = load_spec_text(f"slurm:\n  nodes: 2\n  spare_nodes: 1\n{slurm_extra}nodes:\n  - address: 10.0.0.1\n"
+                          f"workdir:\n  path: {work}\nlaunch:\n{launch}", str(tmp_path / "cluster.yaml"))  # fmt: skip
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = ('#!/bin/sh\ncase "$1 $2" in\n  "show hostnames") printf "node1\\nnode2\\nnode3\\n" ;;\n'
@@ -277,7 +278,11 @@ def test_the_batch_script_restarts_on_the_spare_inside_its_allocation(tmp_path: 
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "NODEOPS_RUN_DIR": str(run),
            "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_JOB_NUM_NODES": "3",
            "SLURMD_NODENAME": "node1"}  # fmt: skip
-    script = slurm.batch_script(spec)
+    return slurm.batch_script(spec), run, env
+
+
+def test_the_batch_script_restarts_on_the_spare_inside_its_allocation(tmp_path: Path) -> None:
+    script, run, env = batch_job(tmp_path, "", "  restarts: 1\n  restart_backoff: 0\n")
     assert "#SBATCH --nodes=3\n" in script and "#SBATCH --no-kill\n" in script
     with (run / "batch.log").open("w") as log:  # as sbatch --output writes it
         p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py", "--lr", "1 2"], env=env, stdout=log,
@@ -317,29 +322,11 @@ def test_a_job_whose_batch_script_ended_is_over_while_a_lost_node_holds_it_in_co
 def test_the_time_limit_signal_during_the_back_off_ends_the_run_and_leaves_no_sleep(tmp_path: Path) -> None:
     """SIGUSR1 (slurm.signal) during the back-off: no next attempt, the record closed saying why,
     and the back-off's sleep ended with the batch shell."""
-    work = tmp_path / "work"
-    work.mkdir()
-    spec = load_spec_text(f"slurm:\n  nodes: 2\n  spare_nodes: 1\n  signal: {{name: USR1, seconds: 60}}\n"
-                          f"nodes:\n  - address: 10.0.0.1\nworkdir:\n  path: {work}\n"
-                          "launch:\n  restarts: 2\n  restart_backoff: 37s\n",
-                          str(tmp_path / "cluster.yaml"))  # fmt: skip
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    scontrol = ('#!/bin/sh\ncase "$1 $2" in\n  "show hostnames") printf "node1\\nnode2\\nnode3\\n" ;;\n'
-                '  "show node") echo "NodeName=$3 NodeAddr=10.9.0.1 State=IDLE" ;;\nesac\n')  # fmt: skip
-    for name, text in {"scontrol": scontrol, "srun": FAKE_SRUN}.items():
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    run = tmp_path / "run"
-    run.mkdir()
-    for name, text in slurm_backend.run_files(spec).items():
-        (run / name).parent.mkdir(parents=True, exist_ok=True)
-        (run / name).write_text(text)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "NODEOPS_RUN_DIR": str(run),
-           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-3]", "SLURM_JOB_NUM_NODES": "3",
-           "SLURMD_NODENAME": "node1"}  # fmt: skip
+    script, run, env = batch_job(
+        tmp_path, "  signal: {name: USR1, seconds: 60}\n", "  restarts: 2\n  restart_backoff: 37s\n"
+    )
     with (run / "batch.log").open("w") as log:
-        proc = subprocess.Popen(["bash", "-c", slurm.batch_script(spec), "job.sbatch", "train.py"], env=env,
+        proc = subprocess.Popen(["bash", "-c", script, "job.sbatch", "train.py"], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + 30
