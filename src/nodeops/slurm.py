@@ -85,11 +85,17 @@ def shape_options(spec: ResourceSpec) -> list[str]:
     ) if value is not None]  # fmt: skip
 
 
-def allocated(spec: ResourceSpec) -> int:
-    """The nodes a job asks for: slurm.nodes, and with launch.restarts its spares."""
+def spares(spec: ResourceSpec) -> int:
+    """The spare nodes a job asks for (slurm.spare_nodes, with launch.restarts only)."""
     s = spec.slurm
     assert s is not None
-    return s.nodes + (s.spare_nodes if spec.launch.restarts else 0)
+    return s.spare_nodes if spec.launch.restarts else 0
+
+
+def allocated(spec: ResourceSpec) -> int:
+    """The nodes a job asks for: slurm.nodes and its spares."""
+    assert spec.slurm is not None
+    return spec.slurm.nodes + spares(spec)
 
 
 def sbatch_lines(spec: ResourceSpec, cluster: str) -> list[str]:

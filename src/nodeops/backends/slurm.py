@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any, ClassVar
 
 from nodeops import check, check_rules, errors, fabric, fabric_probe, failures, launchers, probe, slurm, store
@@ -320,11 +321,7 @@ def recover_files(spec: ResourceSpec) -> dict[str, str]:
     the spec's rules for them (``slurm_failures.CONFIG``)."""
     lc, s = spec.launch, spec.slurm
     assert s is not None
-    pkg = f"{SF.PACKAGE_DIR}/nodeops"
-    files = {f"{pkg}/__init__.py": "", f"{pkg}/launch/__init__.py": ""}
-    for m, where in ((SF, pkg), (failures, pkg), (mpi_split, f"{pkg}/launch"), (P, f"{pkg}/launch"),
-                     (R, f"{pkg}/launch")):  # fmt: skip
-        files[f"{where}/{Path(str(m.__file__)).name}"] = Path(str(m.__file__)).read_text()
+    files = package_files(SF.PACKAGE_DIR, (SF, failures, mpi_split, P, R))
     files[SF.CONFIG] = json.dumps({"nodes": s.nodes, "restarts": lc.restarts, "restart_on": lc.restart_on,
                                    "min_nodes": spec.min_nodes(), "backoff": lc.restart_backoff})  # fmt: skip
     return files
@@ -336,17 +333,25 @@ def fabric_files(loaded: LoadedSpec, count: int, gpus: list[int]) -> dict[str, s
     package of its own in the run dir)."""
     thresholds = loaded.spec.network.fabric
     args = fabric.probe_args(count, fabric.GATE_SECONDS, thresholds.max_pair_spread, fabric.backend(gpus))
-    gate = f"{slurm.FABRIC_GATE_DIR}/nodeops"
     return {
         "fabric.py": Path(fabric_probe.__file__).read_text(),
         slurm.FABRIC_ARGS: "".join(f"{a}\n" for a in args),
         slurm.FABRIC_CONFIG: json.dumps({"spread": thresholds.max_pair_spread, "min_busbw": thresholds.min_busbw_gbps}),
-        f"{gate}/__init__.py": "",
-        **{
-            f"{gate}/{Path(str(m.__file__)).name}": Path(str(m.__file__)).read_text()
-            for m in (errors, fabric, fabric_probe)
-        },
+        **package_files(slurm.FABRIC_GATE_DIR, (errors, fabric, fabric_probe)),
     }
+
+
+def package_files(root: str, modules: Sequence[ModuleType]) -> dict[str, str]:
+    """``modules`` as a package of their own under ``root`` in the run dir (run there with
+    ``python3 -m``): each at its module path (nodeops/launch/recovery.py), with an empty
+    ``__init__.py`` in every package dir (not the real ones: they import what is not shipped)."""
+    files: dict[str, str] = {}
+    for m in modules:
+        parts = m.__name__.split(".")
+        for i in range(1, len(parts)):
+            files.setdefault(f"{root}/{'/'.join(parts[:i])}/__init__.py", "")
+        files[f"{root}/{'/'.join(parts)}.py"] = Path(str(m.__file__)).read_text()
+    return files
 
 
 def take_stacks(job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -487,7 +492,7 @@ def submit_run(loaded: LoadedSpec, spec_path: Path, argv: Sequence[str], files: 
     (local / slurm.SCRIPT).write_text(script)
     t0 = time.monotonic()
     nodes = slurm.allocated(loaded.spec) if loaded.spec.slurm else 0
-    spares = nodes - loaded.spec.slurm.nodes if loaded.spec.slurm else 0
+    spares = slurm.spares(loaded.spec) if loaded.spec.slurm else 0
     sink.note(
         f"==> run {run_id}: sbatch on {login.where} ({nodes} node(s)"
         + (f", {spares} of them spare" if spares else "")
@@ -555,7 +560,7 @@ class SlurmBackend(Backend):
         login = s.login_node()
         gpus = (f"{s.slurm.gpus_per_node} GPU(s) per node" if s.slurm.gpus_per_node is not None
                 else f"{s.slurm.gpus} GPU(s) in all" if s.slurm.gpus else "no GPUs asked for")  # fmt: skip
-        spares = f" and {slurm.allocated(s) - s.slurm.nodes} spare(s)" if slurm.allocated(s) > s.slurm.nodes else ""
+        spares = f" and {slurm.spares(s)} spare(s)" if slurm.spares(s) else ""
         return f"Slurm, {s.slurm.nodes} node(s){spares}, {gpus}, sbatch " + (
             f"on the login node {login.address}" if login is not None else "on this machine"
         )
@@ -565,7 +570,7 @@ class SlurmBackend(Backend):
 
     def check(self, loaded: LoadedSpec, timeout: float, sink: Sink) -> check.Report:
         count = slurm.allocated(loaded.spec) if loaded.spec.slurm else 0
-        spares = " (spares included)" if loaded.spec.slurm and count > loaded.spec.slurm.nodes else ""
+        spares = " (spares included)" if loaded.spec.slurm and slurm.spares(loaded.spec) else ""
         sink.note(f"==> checking the {count} node(s) Slurm gives{spares}, in one srun step")
         nodes_spec, result = run_slurm(loaded, timeout=timeout)
         return as_srun_rows(check.evaluate(nodes_spec, result), result.get("missing", ""))
