@@ -5,10 +5,10 @@ For each N (default 1 4 8 16 32) a sandbox of N sshd containers is started and t
 spec is used throughout (a wheelhouse package, a workdir, env vars, ib off):
 
 - cold setup: the first `nodeops setup` (venv, package install, workdir copy, env files);
-- no-op setup: the second one, which must report 0 changes;
-- no-op, other conn.: the same no-op with the connection nodeops did not choose for N (mitogen
-  for up to 2 nodes, Ansible's ssh beyond; only where mitogen is installed), to show what the
-  choice buys at each N;
+- no-op setup: the second one, which must report 0 changes (the fast path: one read-only probe
+  per node, no Ansible play);
+- no-op, --full: the same no-op with `setup --full`, which runs every role through Ansible (what
+  a no-op setup cost before the fast path), measured in the same run as the baseline;
 - check: `nodeops check` (the full-mesh preflight);
 - launch: `nodeops launch --no-check` of a trivial script, only with --torch-wheelhouse (torch
   must be installed for torchrun; without it the row says "not run").
@@ -17,10 +17,11 @@ Each step reports wall seconds and the controller's own CPU seconds (user+sys of
 process the step started on this machine, ansible and ssh included) per node. The nodes
 share this machine's cores, so wall time at large N also measures the nodes' own work; the
 controller CPU per node is what grows on a real cluster. Ratios are printed against the
-1-node row and checked against issue 12's goals:
+1-node row and checked against issues 12 and 29's goals:
 
 - no-op setup at 1 node <= 5 s; at 4 nodes <= 8 s; at 16 nodes <= 2x the 1-node time;
-- cold setup at 8 nodes <= 2x the 1-node time.
+- cold setup at 8 nodes <= 2x the 1-node time;
+- no-op setup <= 1.25x check at every N (a setup with nothing to do costs about one preflight).
 
     python bench/scale_bench.py [--nodes 1 4 8 16 32] [--torch-wheelhouse DIR] [--keep]
 """
@@ -42,18 +43,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from nodeops import runner, sandbox  # noqa: E402
+from nodeops import sandbox  # noqa: E402
 
 NAME = "scale"
 SUBNET = "10.218.0.0/24"
 NODEOPS = [sys.executable, "-m", "nodeops"]
-OTHER = "no-op, other conn."
-
-
-def mitogen_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("ansible_mitogen") is not None
+FULL = "no-op, --full"
 
 
 @dataclass
@@ -125,11 +120,9 @@ def run_n(n: int, work: Path, wheels: Path, torch: bool, env: dict[str, str]) ->
         steps = [
             ("cold setup", [*NODEOPS, "setup", str(spec)], env),
             ("no-op setup", [*NODEOPS, "setup", str(spec)], env),
+            (FULL, [*NODEOPS, "setup", str(spec), "--full"], env),
             ("check", [*NODEOPS, "check", str(spec), "--json"], env),
         ]
-        if mitogen_installed():  # the same no-op with the other connection: what nodeops' choice buys at N
-            flip = "0" if runner.mitogen_strategy_dir(n) else "1"
-            steps.insert(2, (OTHER, [*NODEOPS, "setup", str(spec)], {**env, "NODEOPS_MITOGEN": flip}))
         for label, argv, step_env in steps:
             say(label)
             out[label] = s = timed(argv, step_env)
@@ -159,7 +152,7 @@ def main() -> int:
         wheels = make_project(work, args.torch_wheelhouse)
         for n in args.nodes:
             results[n] = run_n(n, work, wheels, args.torch_wheelhouse is not None, env)
-    steps = ["cold setup", "no-op setup", OTHER, "check", "launch"]
+    steps = ["cold setup", "no-op setup", FULL, "check", "launch"]
     base_n = min(results)
     print(f"\nscale, nodes {' '.join(map(str, results))} (wall s / controller CPU s per node / wall vs {base_n} node):")
     print(f"{'step':18} " + " ".join(f"{f'N={n}':>22}" for n in results))
@@ -174,7 +167,7 @@ def main() -> int:
             ratio = s.wall / base.wall if base is not None and base.wall else float("nan")
             cells.append(f"{s.wall:7.1f}{bad} {s.cpu / n:6.2f} {ratio:5.2f}x")
         print(f"{step:18} " + " ".join(cells))
-    print("\ngoals (issue 12):")
+    print("\ngoals (issues 12 and 29):")
 
     def wall(n: int, step: str) -> float | None:
         s = results.get(n, {}).get(step)
@@ -193,6 +186,12 @@ def main() -> int:
     goal("no-op setup, 16 nodes vs 1", n16 / one if n16 and one else None, 2, "x")
     c8, c1 = wall(8, "cold setup"), wall(1, "cold setup")
     goal("cold setup, 8 nodes vs 1", c8 / c1 if c8 and c1 else None, 2, "x")
+    for n in results:
+        noop, check = wall(n, "no-op setup"), wall(n, "check")
+        goal(f"no-op setup vs check, {n} node(s)", noop / check if noop and check else None, 1.25, "x")
+        full = wall(n, FULL)
+        if noop and full:
+            print(f"  no-op setup vs --full (the Ansible no-op), {n} node(s): {noop / full:.2f}x")
     failed = [(n, s) for n, r in results.items() for s, v in r.items() if v is not None and v.rc != 0]
     for n, s in failed:
         print(f"  FAILED: {s} at {n} node(s): {results[n][s].tail}")  # type: ignore[union-attr]

@@ -80,6 +80,7 @@ class RunResult:
     hosts: dict[str, HostResult]
     private_data_dir: Path
     seconds: float
+    ansible: bool = True  # False when setup's fast path found nothing to do and ran no play
 
     @property
     def ok(self) -> bool:

@@ -17,6 +17,9 @@ the same name at another address counts as never set up. Secret env values are n
 not even as digests; a changed ``from_env``
 source value is not seen either (its name is). Without a record for the cluster (set up from
 another machine, or by an older nodeops) nothing is compared.
+
+Each host's entry also keeps, under ``digests``, what setup's fast path compares next time
+(per role, the input and node-state digests: :mod:`nodeops.setup_fast`).
 """
 
 from __future__ import annotations
@@ -131,7 +134,29 @@ def record(loaded: LoadedSpec, hosts: Iterable[str], roles: Sequence[str]) -> Pa
                 continue  # not a deepspeed spec: the role wrote nothing this record compares
             entry[role] = _grow(entry.get(role), want[host][role], role)
         doc[host] = entry
-    path = record_path(loaded.cluster_name)
+    return _write(loaded.cluster_name, doc)
+
+
+def record_digests(cluster: str, addresses: Mapping[str, str], digests: Mapping[str, Mapping[str, Any]],
+                   dropped: Mapping[str, Iterable[str]] | None = None) -> Path:  # fmt: skip
+    """After a successful setup: per host, the input and node-state digests of each role the
+    fast path's probe read cleanly (nodeops.setup_fast); the roles in ``dropped`` lose theirs."""
+    doc = load(cluster) or {}
+    dropped = dropped or {}
+    for host in {*digests, *dropped}:
+        entry = dict(doc.get(host) or {})
+        if entry.get("address") != addresses[host]:
+            entry = {"address": addresses[host]}
+        merged = {**(entry.get("digests") or {}), **digests.get(host, {})}
+        for role in dropped.get(host, ()):
+            merged.pop(role, None)
+        entry["digests"] = merged
+        doc[host] = entry
+    return _write(cluster, doc)
+
+
+def _write(cluster: str, doc: Mapping[str, Any]) -> Path:
+    path = record_path(cluster)
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"version": VERSION, "hosts": doc}, indent=1, sort_keys=True))

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from nodeops import sandbox
+from nodeops.resources import nodeops_home
 
 from .conftest import NODEOPS, SECRET, USER_KEY_LINE, WORKDIR, setup, ssh, subnet_of
 
@@ -97,6 +98,103 @@ def test_second_setup_changes_nothing(project: Path, first_run: object) -> None:
         assert re.search(rf"│ {host} +│ \d+ +│ 0 +│ 0 +│ 0 +│", p.stderr), p.stderr
 
 
+def ansible_runs() -> list[Path]:
+    """The ansible-runner private data dirs setup left, oldest first: one per Ansible run."""
+    d = nodeops_home() / "runs"
+    return sorted((r for r in d.glob("setup-*") if (r / "artifacts").is_dir()), key=lambda r: r.stat().st_mtime)
+
+
+def ansible_command(run: Path) -> list[str]:
+    """The ansible-playbook command line ansible-runner recorded for a run."""
+    cmd: list[str] = json.loads(next(run.glob("artifacts/*/command")).read_text())["command"]
+    return cmd
+
+
+def test_noop_setup_runs_no_play_and_full_runs_it(project: Path, first_run: object) -> None:
+    """Issue 29: with nothing to change, setup probes the nodes and starts no Ansible at all (no
+    new ansible-runner run dir appears); --full runs every role anyway."""
+    env = {"NODEOPS_IT_SECRET": SECRET}
+    assert setup(project / "cluster.yaml", env=env).returncode == 0
+    before = ansible_runs()
+    p = setup(project / "cluster.yaml", env=env)
+    assert p.returncode == 0, p.stderr
+    assert "setup ok: 3 host(s), 0 change(s)" in p.stderr, p.stderr
+    assert "no Ansible play ran" in p.stderr and "artifacts:" not in p.stderr, p.stderr
+    for host in ("node1", "node2", "node3"):
+        assert re.search(rf"│ {host} +│ \d+ +│ 0 +│ 0 +│ 0 +│", p.stderr), p.stderr
+    assert ansible_runs() == before
+    p = setup(project / "cluster.yaml", "--full", env=env)
+    assert p.returncode == 0, p.stderr
+    assert "setup ok: 3 host(s), 0 change(s)" in p.stderr and "no Ansible play ran" not in p.stderr, p.stderr
+    after = ansible_runs()
+    assert len(after) == len(before) + 1
+    assert not {"--tags", "--limit"} & set(ansible_command(after[-1]))
+
+
+def fast_lines(stderr: str) -> dict[str, dict[str, str]]:
+    """What the fast path said it runs: host -> role -> why."""
+    out: dict[str, dict[str, str]] = {}
+    for host, rest in re.findall(r"^    (node\d): (.+)$", stderr, re.M):
+        for part in rest.split("; "):
+            role, _, why = part.partition(": ")
+            out.setdefault(host, {})[role] = why
+    return out
+
+
+def test_a_changed_role_input_runs_only_that_role(sandbox_cluster: sandbox.Sandbox, project: Path,
+                                                   first_run: object) -> None:  # fmt: skip
+    """Issue 29: a spec or controller-file change runs only the roles that read it: an env
+    value (nccl_env), a secret's value (nccl_env, compared on the node, never recorded), a
+    package (python_env), a workdir file on the controller (shared_path)."""
+    env = {"NODEOPS_IT_SECRET": SECRET}
+    spec = project / "cluster.yaml"
+    original = spec.read_text()
+    name = sandbox_cluster.name
+    assert setup(spec, env=env).returncode == 0
+    try:
+        # The spec sits in the workdir's source dir (the default source), so editing it is also a
+        # workdir change: shared_path copies cluster.yaml too.
+        spec_file = {"shared_path": "1 file(s) differ from the source (cluster.yaml)"}
+        cases = [
+            # env values also go into the chief's .deepspeed_env (deepspeed_env runs on the chief only)
+            ("OMP_NUM_THREADS", lambda: spec.write_text(original.replace("OMP_NUM_THREADS: 1", "OMP_NUM_THREADS: 2")),
+             env, {"nccl_env": "its input changed", **spec_file, "deepspeed_env@node1": "its input changed"}),
+            ("secret", lambda: None, {"NODEOPS_IT_SECRET": SECRET + "-rotated"},
+             {"nccl_env": "secrets.env does not hold the spec's secret values"}),
+            ("package", lambda: spec.write_text(original.replace("numpy]", "numpy, filelock]")), env,
+             {"python_env": "its input changed", **spec_file}),
+            ("workdir file", lambda: (project / "train.py").write_text("print('train v2')\n"), env,
+             {"shared_path": "1 file(s) differ from the source (train.py)"}),
+        ]  # fmt: skip
+        for what, change, case_env, expected in cases:
+            spec.write_text(original)
+            assert setup(spec, env=env).returncode == 0  # each case starts from the converged cluster
+            change()
+            p = setup(spec, env=case_env)
+            assert p.returncode == 0, (what, p.stderr)
+            said = fast_lines(p.stderr)
+            assert set(said) == {"node1", "node2", "node3"}, (what, p.stderr)
+            for host, roles in said.items():
+                want = {r.split("@")[0]: why for r, why in expected.items() if r.split("@")[-1] in (r, host)}
+                assert set(roles) == set(want), (what, host, said)
+                assert all(why in roles[role] for role, why in want.items()), (what, said)
+            cmd = ansible_command(ansible_runs()[-1])
+            tags = {r.split("@")[0] for r in expected}
+            assert set(cmd[cmd.index("--tags") + 1].split(",")) == tags and "--limit" not in cmd, (what, cmd)
+            assert re.search(r"setup ok: 3 host\(s\), [1-9]\d* change\(s\)", p.stderr), (what, p.stderr)
+            again = setup(spec, env=case_env)
+            assert "no Ansible play ran" in again.stderr, (what, again.stderr)
+            if what == "secret":
+                got = ssh(sandbox_cluster, "node3", f"grep -c -- '{SECRET}-rotated' ~/.nodeops/{name}/secrets.env")
+                assert got.stdout.strip() == "1", got
+        assert ssh(sandbox_cluster, "node3", f"cat {WORKDIR}/train.py").stdout == "print('train v2')\n"
+        assert SECRET not in json.dumps(json.loads((nodeops_home() / "clusters" / name / "setup.json").read_text()))
+    finally:
+        spec.write_text(original)
+        (project / "train.py").write_text("print('train')\n")
+        assert setup(spec, env=env).returncode == 0
+
+
 SAVE_CKPT = """\
 import os
 import torch
@@ -167,6 +265,21 @@ def test_drift_on_one_node_is_detected_and_repaired(sandbox_cluster: sandbox.San
     assert "export OOPS=1" in ssh(sb, "node2", f"cat {env_sh}").stdout
     p = setup(project / "cluster.yaml", env=env)
     assert p.returncode == 0, p.stderr
+    # Issue 29: the probe saw each drift, and Ansible ran only where it did (and on the chief,
+    # whose key ssh_mesh writes into node3's authorized_keys).
+    said = fast_lines(p.stderr)
+    assert set(said) == {"node2", "node3"}, p.stderr
+    assert said["node2"]["nccl_env"] == "the node changed since setup left it", said
+    assert "1 file(s) differ from the source (train.py)" in said["node2"]["shared_path"], said
+    assert set(said["node3"]) == {"ssh_mesh", "python_env"}, said
+    assert said["node3"]["python_env"] == "its packages changed since setup installed them", said
+    cmd = ansible_command(ansible_runs()[-1])
+    assert "--limit" not in cmd and set(cmd[cmd.index("--tags") + 1].split(",")) == {
+        "nccl_env",
+        "shared_path",
+        "ssh_mesh",
+        "python_env",
+    }, cmd
     assert re.search(r"│ node2 +│ \d+ +│ [1-9]", p.stderr) and re.search(r"│ node3 +│ \d+ +│ [1-9]", p.stderr), p.stderr
     assert ssh(sb, "node2", f"cat {env_sh}").stdout == good_env
     assert ssh(sb, "node1", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes node3 true").returncode == 0

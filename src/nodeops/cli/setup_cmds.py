@@ -57,6 +57,10 @@ def print_summary(result: RunResult, title: str, verbose: int = 0) -> None:
     left_out = [hr.host for hr in result.hosts.values() if not hr.in_play]
     if left_out:
         console.print(f"not run on (--limit): {', '.join(left_out)}", highlight=False)
+    if not result.ansible:
+        console.print("no Ansible play ran: every role on every node is as setup left it (ok: the roles the probe "
+                      "read); `setup --full` runs them anyway", highlight=False)  # fmt: skip
+        return
     console.print(f"artifacts: {result.private_data_dir}", highlight=False)
 
 
@@ -64,6 +68,7 @@ def print_summary(result: RunResult, title: str, verbose: int = 0) -> None:
     epilog=(
         "Examples:\n\n    nodeops setup cluster.yaml\n\n    nodeops setup cluster.yaml --check --diff\n\n"
         "    nodeops setup cluster.yaml --limit node2 --tags python_env\n\n"
+        "    nodeops setup cluster.yaml --full   # every role on every node, even where nothing differs\n\n"
         "    nodeops setup inventories/prod/hosts.yml --group gpu_nodes   # an Ansible inventory"
     )
 )
@@ -85,6 +90,14 @@ def setup(
             "(repeat the option, or comma-separate).",
         ),
     ] = None,
+    full: Annotated[
+        bool,
+        typer.Option(
+            "--full",
+            help="Run every role on every node. Without it, a plain setup first probes every node (one read-only "
+            "ssh each) and runs only the roles, on only the nodes, that differ from what the last setup recorded.",
+        ),
+    ] = False,
     verbose: Annotated[int, typer.Option("-v", count=True, help="Ansible verbosity (repeat for more).")] = 0,
     group: GroupOpt = None,
 ) -> None:
@@ -93,13 +106,18 @@ def setup(
     Renders the spec, then runs the roles through ansible-runner, showing each host's current
     task, then a summary. Exit 0 only if no host failed or was unreachable; the other hosts
     still complete, and re-running converges. A second run reports changed=0.
+
+    After a successful setup, each node's state is recorded per role. A later plain setup
+    probes every node at once and runs Ansible only for what differs (a changed spec, env file,
+    key line, package or workdir file); with nothing to do it runs no play at all. --check,
+    --diff, --tags, --limit and --full always run Ansible.
     """
     from rich.console import Console
     from rich.live import Live
 
     with errors():
         request = SetupRequest(spec, group, [t for item in (tags or []) for t in item.split(",") if t], limit, check,
-                               diff, verbose)  # fmt: skip
+                               diff, verbose, full)  # fmt: skip
         cancel = threading.Event()
         with Live(console=Console(stderr=True), refresh_per_second=4, transient=True) as live:
 

@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodeops import backends, gpus, setup_state
+from nodeops import backends, gpus, setup_fast, setup_state
 from nodeops.backends.base import Sink
 from nodeops.errors import UsageError
 from nodeops.loading import load_spec
 from nodeops.render import inventory, require_controller_files, resolve_secrets
 from nodeops.runner import HostResult, RunResult, run_playbook
+from nodeops.spec import LoadedSpec
 
 ROLE_TAGS = setup_state.ROLES
 PHASE_TAGS = ("install", "configure", "verify")
@@ -59,6 +61,7 @@ class SetupRequest:
     check: bool = False  # Ansible check mode
     diff: bool = False
     verbose: int = 0
+    full: bool = False  # run every role on every host, even where the probe finds nothing to do
 
 
 def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, HostResult]], None] | None = None,
@@ -92,6 +95,32 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
         limited.insert(0, chief)
         sink.note(f"note: the chief {chief} joins --limit: ssh_mesh needs its key (use --tags to skip ssh_mesh)")
     secrets = resolve_secrets(loaded.spec, os.environ)
+    started = time.monotonic()
+    roles_by_host = setup_fast.roles_of(inv, skip)
+    wanted = setup_fast.inputs(inv)
+    probed: list[str] = []  # hosts the fast path found as recorded (not in the play)
+    if not (request.full or tags or limited or request.check or request.diff):
+        record = setup_state.load(loaded.cluster_name)
+        if record and any(isinstance(e.get("digests"), dict) for e in record.values()):
+            sink.note(f"==> probing {len(by_name)} node(s) against the setup record (setup --full skips this)")
+            seen = setup_fast.probe(loaded, inv, setup_fast.plans(loaded, inv, roles_by_host), secrets)
+            run = setup_fast.decide(roles_by_host, wanted, record, seen, by_name)
+            need = [h for h, why in run.items() if why]
+            if not need:
+                hosts = {h: HostResult(h, ok=len(r), in_play=True, task="as recorded")
+                         for h, r in roles_by_host.items()}  # fmt: skip
+                return RunResult(0, "successful", hosts, setup_state.record_path(loaded.cluster_name).parent,
+                                 time.monotonic() - started, ansible=False)  # fmt: skip
+            for h in need:
+                sink.note(f"    {h}: " + "; ".join(f"{role}: {why}" for role, why in run[h].items()))
+            joined = [h for h in setup_fast.joins(run, chief, loaded.spec.mesh.mode) if h not in need]
+            limited = [h for h in by_name if h in need or h in joined]
+            probed = [h for h in by_name if h not in limited]
+            tags = [r for r in ROLE_TAGS if any(r in why for why in run.values())]
+            if not probed:
+                limited = None  # every host: no --limit
+                if all(set(run[h]) == set(roles_by_host[h]) for h in by_name):
+                    tags = []  # everything, everywhere: the plain run
     result = run_playbook(
         "setup.yml", inv, secrets=secrets, limit=",".join(limited) if limited else None, tags=tags,
         skip_tags=skip, check=request.check, diff=request.diff, verbosity=request.verbose,
@@ -99,9 +128,33 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
     )  # fmt: skip
     roles = [r for r in (tags or ROLE_TAGS) if r in ROLE_TAGS and r not in skip]
     if result.ok and not request.check and roles:
+        ran = [h.host for h in result.hosts.values() if h.in_play]
         try:
-            setup_state.record(loaded, [h.host for h in result.hosts.values() if h.in_play], roles)
+            setup_state.record(loaded, ran, roles)
+            _record_digests(loaded, inv, secrets, {h: [r for r in roles_by_host[h] if r in roles] for h in ran},
+                            wanted, by_name, sink)  # fmt: skip
         except OSError as e:  # setup itself succeeded: say what launch/check will miss
             sink.note(f"warning: could not keep the setup record ({e}); launch and check will not compare "
                       "the spec with this setup")  # fmt: skip
+    for h in probed:
+        result.hosts[h] = HostResult(h, ok=len(roles_by_host[h]), in_play=True, task="as recorded")
+    result.seconds = time.monotonic() - started
     return result
+
+
+def _record_digests(loaded: LoadedSpec, inv: dict[str, object], secrets: dict[str, str],
+                    ran: dict[str, list[str]], wanted: dict[str, dict[str, str]], by_name: dict[str, str],
+                    sink: Sink) -> None:  # fmt: skip
+    """Probe the hosts that ran and record their roles' state, for the next setup's fast path."""
+    ran = {h: r for h, r in ran.items() if r}
+    if not ran:
+        return
+    found = setup_fast.probe(loaded, inv, setup_fast.plans(loaded, inv, ran), secrets)
+    clean = setup_fast.recordable(wanted, found)
+    dropped = {h: [r for r in roles if r not in clean.get(h, {})] for h, roles in ran.items()}
+    setup_state.record_digests(loaded.cluster_name, by_name, {h: clean.get(h, {}) for h in ran}, dropped)
+    unread = [f"{h}: {why}" for h, why in found.failed.items()]
+    unread += [f"{h}: {r}: {s['bad']}" for h, states in found.states.items() for r, s in states.items()
+               if s["bad"] and r in ran[h]]  # fmt: skip
+    for line in unread:
+        sink.note(f"note: the probe after setup found {line}; the next setup runs it again")

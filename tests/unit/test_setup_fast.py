@@ -1,0 +1,222 @@
+"""setup's fast path: the probe's readers (on real files, a real dpkg-less fallback, bash's and
+shlex's parsing of the real secrets.env template) and the controller's decision table."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import os
+import re
+import sys
+from pathlib import Path
+
+import jinja2
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nodeops import setup_fast, setup_probe, workdir
+from nodeops.quoting import sh_word
+from nodeops.resources import data_dir
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_role_vars_are_what_setup_yml_gives_each_role() -> None:
+    """Every nodeops_* variable setup.yml passes a role (or tests in its `when`) is part of that
+    role's input digest: a spec change a role reads is never missed by the fast path."""
+    plays = yaml.safe_load((data_dir("playbooks") / "setup.yml").read_text())
+    used: dict[str, set[str]] = {}
+    for play in plays:
+        for task in play.get("tasks", []):
+            role = task["ansible.builtin.import_role"]["name"].rsplit(".", 1)[-1]
+            text = yaml.safe_dump({"vars": task.get("vars"), "when": task.get("when")})
+            used[role] = set(re.findall(r"(?<![.\w])(nodeops_\w+)", text))
+        pre = yaml.safe_dump(play.get("pre_tasks", [])) + yaml.safe_dump(play.get("vars", {}))
+        used.setdefault("packages", set()).update(n for n in re.findall(r"(?<![.\w])(nodeops_\w+)", pre)
+                                                  if not n.startswith("_"))  # fmt: skip
+    used["packages"] -= {"nodeops_dpkg", "nodeops_missing_packages"}  # the pre_tasks' own registers
+    assert set(used) == set(setup_fast.ROLE_VARS)
+    for role, names in used.items():
+        # the secret values arrive as an extra var: compared on the node, never digested
+        assert names - {"nodeops_secret_env"} <= set(setup_fast.ROLE_VARS[role]), role
+
+
+def test_roles_read_no_inventory_variable_of_their_own() -> None:
+    """The roles take their inputs as role variables only (setup.yml maps them), so ROLE_VARS
+    above is the whole list."""
+    for path in (data_dir("roles")).rglob("*.yml"):
+        if "molecule" in path.parts or "launch" in path.parts:
+            continue
+        names = set(re.findall(r"(?<![.\w])(nodeops_\w+)", path.read_text()))
+        assert not names, (path, names)
+
+
+def test_the_probe_reads_versions_as_the_python_env_role_does() -> None:
+    module = (data_dir("plugins") / "modules" / "python_env_state.py").read_text()
+    m = re.search(r"^SCRIPT = (\(.*?\))$", module, re.S | re.M)
+    assert m is not None
+    assert ast.literal_eval(m.group(1)) == setup_probe.VERSIONS
+
+
+def render_secrets(values: dict[str, str]) -> str:
+    """The role's real secrets.env template, rendered with the collection's own quoting."""
+    text = (data_dir("roles") / "nccl_env" / "templates" / "secrets.env.j2").read_text()
+    env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True)  # Ansible's template defaults
+    env.filters["sh_word"] = sh_word
+    return env.from_string(text.replace("nodeops.cluster.nodeops_sh_word", "sh_word")).render(
+        nccl_env_secret_vars=values
+    )
+
+
+NAMES = st.from_regex(r"[A-Z_][A-Z0-9_]{0,8}", fullmatch=True)
+VALUES = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(NAMES, VALUES, max_size=4), st.dictionaries(NAMES, VALUES, max_size=4))
+def test_secrets_compare_true_only_for_the_same_values(
+    tmp_path_factory: pytest.TempPathFactory, have: dict[str, str], want: dict[str, str]
+) -> None:
+    d = tmp_path_factory.mktemp("s")
+    f = d / "secrets.env"
+    f.write_text(render_secrets(have))
+    os.chmod(f, 0o600)
+    assert setup_probe._secrets_same(str(f), want) is (have == want)
+    assert setup_probe._secrets_same(str(f), have)
+    os.chmod(f, 0o644)  # the role writes it 0600: any other mode is drift
+    assert not setup_probe._secrets_same(str(f), have)
+
+
+def test_secrets_never_leave_as_digests(tmp_path: Path) -> None:
+    """The nccl_env state digests env.sh and the interfaces; secrets.env only answers yes or no."""
+    d = tmp_path / "c"
+    d.mkdir()
+    (d / "env.sh").write_text("export A=1\n")
+    (d / "secrets.env").write_text(render_secrets({"TOKEN": "one"}))
+    os.chmod(d / "secrets.env", 0o600)
+    a = setup_probe.nccl_env({"dir": str(d), "address": "10.0.0.1"}, {"TOKEN": "one"})
+    (d / "secrets.env").write_text(render_secrets({"TOKEN": "two"}))
+    b = setup_probe.nccl_env({"dir": str(d), "address": "10.0.0.1"}, {"TOKEN": "one"})
+    assert a == {"state": b["state"], "bad": ""}
+    assert b["bad"] == "secrets.env does not hold the spec's secret values"
+    assert "one" not in repr(a) + repr(b) and "two" not in repr(b)
+
+
+def test_ssh_mesh_state_is_the_cluster_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ssh = tmp_path / ".ssh"
+    ssh.mkdir()
+    ak = ssh / "authorized_keys"
+    block = "# BEGIN nodeops ssh_mesh c1\nssh-ed25519 AAAA nodeops-c1@node1\n# END nodeops ssh_mesh c1\n"
+    ak.write_text("ssh-ed25519 USER user@laptop\n" + block)
+    p = {"cluster": "c1", "key": "~/.ssh/id_ed25519"}
+    first = setup_probe.ssh_mesh(p)
+    assert first["bad"] == ""
+    ak.write_text("ssh-ed25519 OTHER user@laptop\n" + block)  # the user's own lines are theirs
+    assert setup_probe.ssh_mesh(p) == first
+    ak.write_text(block.replace("AAAA", "BBBB"))
+    assert setup_probe.ssh_mesh(p)["state"] != first["state"]
+    ak.write_text("ssh-ed25519 USER user@laptop\n")
+    assert setup_probe.ssh_mesh(p)["bad"] == "no ssh_mesh block in ~/.ssh/authorized_keys"
+
+
+def test_shared_path_compares_with_the_manifest_and_keeps_outputs(tmp_path: Path) -> None:
+    src, node = tmp_path / "src", tmp_path / "node"
+    for d in (src, node):
+        (d / "data").mkdir(parents=True)
+        (d / "train.py").write_text("print(1)\n")
+        (d / "data" / "c.json").write_text("{}\n")
+    mod = workdir.manifest_module()
+    manifest = mod.build(str(src), [".deepspeed_env"])
+    code = workdir.manifest_path().read_text()
+    p = {"path": str(node), "mode": "rsync", "manifest": manifest}
+    first = setup_probe.shared_path(p, code)
+    assert first["bad"] == ""
+    (node / "checkpoint.pt").write_text("weights")  # a job's output: not drift
+    assert setup_probe.shared_path(p, code) == first
+    (node / "train.py").write_text("tampered\n")
+    assert setup_probe.shared_path(p, code)["bad"].startswith("1 file(s) differ from the source (train.py); ")
+
+
+def test_python_env_reads_drift_as_the_role_does(tmp_path: Path) -> None:
+    prefix = tmp_path / "env"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "bin" / "python").symlink_to(sys.executable)
+    p = {"prefix": str(prefix), "tools": ["py-spy"]}
+    assert setup_probe.python_env(p)["bad"] == "setup's install record (.nodeops-installed) is missing"
+    rc, versions = setup_probe._run([str(prefix / "bin" / "python"), "-c", setup_probe.VERSIONS])
+    assert rc == 0
+    now = hashlib.sha256(versions.strip().encode()).hexdigest()
+    (prefix / ".nodeops-installed").write_text(f"fp\n{now}\n")
+    ok = setup_probe.python_env(p)
+    assert ok["bad"] == ""
+    (prefix / ".nodeops-installed").write_text("fp\nsomething-else\n")
+    assert setup_probe.python_env(p)["bad"] == "its packages changed since setup installed them"
+    (prefix / ".nodeops-installed").write_text(f"fp\n{now}\n")
+    (prefix / "bin" / "py-spy").write_text("")  # a tool appeared: another state
+    assert setup_probe.python_env(p)["state"] != ok["state"]
+    assert setup_probe.python_env({"prefix": str(tmp_path / "none")})["bad"].endswith("/bin/python does not exist")
+
+
+def test_a_reader_that_fails_is_a_role_to_run() -> None:
+    got = setup_probe.state({"shared_path": {"path": "/", "mode": "rsync", "manifest": {}}, "x": {}}, {}, "raise 1/0")
+    assert got["shared_path"]["bad"].startswith("could not read it: ZeroDivisionError")
+    assert got["x"]["bad"] == "this probe does not know the role x"
+
+
+def test_document_round_trip(capsys: pytest.CaptureFixture[str]) -> None:
+    setup_probe.main({"plan": {"deepspeed_env": {"files": ["/nonexistent/.deepspeed_env"]}}})
+    doc = setup_probe.document("ssh banner\n" + capsys.readouterr().out)
+    assert doc is not None and doc["deepspeed_env"]["bad"] == "missing: /nonexistent/.deepspeed_env"
+    assert setup_probe.document("nothing\n") is None
+
+
+ROLES = {"node1": ["ssh_mesh", "nccl_env", "deepspeed_env"], "node2": ["ssh_mesh", "nccl_env"]}
+WANTED = {h: {r: f"in-{r}" for r in setup_fast.ROLE_VARS} for h in ROLES}
+ADDR = {"node1": "10.0.0.1", "node2": "10.0.0.2"}
+
+
+def recorded(**changes: dict[str, str]) -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = {}
+    for h, roles in ROLES.items():
+        out[h] = {"address": ADDR[h], "digests": {r: {"input": f"in-{r}", "state": f"st-{r}"} for r in roles}}
+    for h, roles_changes in changes.items():
+        for r, what in roles_changes.items():
+            out[h]["digests"][r][what] = "other"  # type: ignore[index]
+    return out
+
+
+def found(bad: dict[str, dict[str, str]] | None = None, failed: dict[str, str] | None = None) -> setup_fast.Probe:
+    states = {h: {r: {"state": f"st-{r}", "bad": (bad or {}).get(h, {}).get(r, "")} for r in rs}
+              for h, rs in ROLES.items() if h not in (failed or {})}  # fmt: skip
+    return setup_fast.Probe(states, dict(failed or {}))
+
+
+def test_decide_runs_only_what_differs() -> None:
+    assert setup_fast.decide(ROLES, WANTED, recorded(), found(), ADDR) == {"node1": {}, "node2": {}}
+    got = setup_fast.decide(ROLES, WANTED, recorded(node2={"nccl_env": "state"}), found(), ADDR)
+    assert got == {"node1": {}, "node2": {"nccl_env": "the node changed since setup left it"}}
+    got = setup_fast.decide(ROLES, WANTED, recorded(node1={"ssh_mesh": "input"}), found(), ADDR)
+    assert got["node1"] == {"ssh_mesh": "its input changed (the spec, a file it copies, or nodeops itself)"}
+    got = setup_fast.decide(ROLES, WANTED, recorded(), found(bad={"node2": {"ssh_mesh": "no block"}}), ADDR)
+    assert got == {"node1": {}, "node2": {"ssh_mesh": "no block"}}
+    got = setup_fast.decide(ROLES, WANTED, recorded(), found(failed={"node2": "Connection refused"}), ADDR)
+    assert got["node2"] == {r: "the probe could not read the node (Connection refused)" for r in ROLES["node2"]}
+    moved = {**ADDR, "node2": "10.0.0.9"}  # another machine under the name: nothing recorded counts
+    got = setup_fast.decide(ROLES, WANTED, recorded(), found(), moved)
+    assert got["node2"] == {r: "no record of setting it up from this machine" for r in ROLES["node2"]}
+    assert set(setup_fast.decide(ROLES, WANTED, None, found(), ADDR)["node1"]) == set(ROLES["node1"])
+
+
+def test_ssh_mesh_anywhere_brings_the_connecting_hosts() -> None:
+    assert setup_fast.joins({"node1": {}, "node2": {"nccl_env": "x"}}, "node1", "chief") == []
+    assert setup_fast.joins({"node1": {}, "node2": {"ssh_mesh": "x"}}, "node1", "chief") == ["node1"]
+    assert setup_fast.joins({"node1": {}, "node2": {"ssh_mesh": "x"}}, "node1", "full") == ["node1", "node2"]
+
+
+def test_only_clean_reads_are_recorded() -> None:
+    got = setup_fast.recordable(WANTED, found(bad={"node1": {"nccl_env": "env.sh is missing"}}))
+    assert "nccl_env" not in got["node1"] and got["node2"]["nccl_env"] == {"input": "in-nccl_env",
+                                                                          "state": "st-nccl_env"}  # fmt: skip
