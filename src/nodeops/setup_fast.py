@@ -30,10 +30,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from nodeops import __version__, setup_probe, setup_state, workdir
 from nodeops.quoting import sh_word
 from nodeops.render import ssh_config
-from nodeops.resources import collection_root
+from nodeops.resources import collection_root, data_dir
 from nodeops.spec import LoadedSpec
 from nodeops.transport import fan_out, last_line, ssh_argv
 
@@ -75,6 +77,17 @@ def _file_digest(path: str | None) -> str | None:
         return f"unreadable: {e.strerror}"
 
 
+def _stat(path: str | None) -> list[object] | None:
+    """A file by size and mtime (a private key: never hashed, not even into the record)."""
+    if not path:
+        return None
+    try:
+        st = Path(path).expanduser().stat()
+    except OSError as e:
+        return [f"unreadable: {e.strerror}"]
+    return [st.st_size, st.st_mtime_ns]
+
+
 def _listing(path: str | None) -> list[list[object]] | None:
     """A wheelhouse by name, size and mtime (what the role's sync would copy)."""
     if not path:
@@ -113,9 +126,11 @@ def inputs(inv: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     gv = inv["all"]["vars"]
     hosts = _hosts(inv)
     extra: dict[str, Any] = {"ssh_mesh": [[h, [hv.get(k) for k in CONNECTION]] for h, hv in hosts.items()]}
-    extra["ssh_mesh"].append(_file_digest(gv.get("nodeops_mesh_key_file")))
+    extra["ssh_mesh"].append(_stat(gv.get("nodeops_mesh_key_file")))
     py = gv.get("nodeops_python") or {}
     extra["python_env"] = [_file_digest(py.get("requirements")), _listing(py.get("wheelhouse"))]
+    # shared_path_owner defaults to the controller's $USER when the inventory names no ansible_user
+    extra["shared_path"] = os.environ.get("USER")
     base = collection_digest()
     out: dict[str, dict[str, str]] = {}
     for host, hv in hosts.items():
@@ -152,6 +167,15 @@ def plans(loaded: LoadedSpec, inv: Mapping[str, Any], roles: Mapping[str, Sequen
     return out
 
 
+def secrets_env(values: Mapping[str, str]) -> str:
+    """secrets.env as the nccl_env role writes it: its template, with the collection's quoting."""
+    text = (data_dir("roles") / "nccl_env" / "templates" / "secrets.env.j2").read_text()
+    env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, autoescape=False)  # Ansible's defaults
+    env.filters["sh_word"] = sh_word
+    template = env.from_string(text.replace("nodeops.cluster.nodeops_sh_word", "sh_word"))
+    return template.render(nccl_env_secret_vars=dict(values))
+
+
 @dataclass
 class Probe:
     """What the probe found on each host: per role {"state", "bad"}, or why it could not look."""
@@ -166,6 +190,7 @@ def probe(loaded: LoadedSpec, inv: Mapping[str, Any], host_plans: Mapping[str, d
     hosts = _hosts(inv)
     code = workdir.manifest_path().read_text() if any("shared_path" in p for p in host_plans.values()) else None
     source = Path(setup_probe.__file__).read_text()
+    secrets_file = secrets_env(secrets)
     result = Probe()
     with tempfile.TemporaryDirectory(prefix="nodeops-setup-probe-") as tmp:
         cfg = Path(tmp) / "ssh_config"
@@ -178,8 +203,10 @@ def probe(loaded: LoadedSpec, inv: Mapping[str, Any], host_plans: Mapping[str, d
                 interpreter = "python3"
             # secrets travel on stdin only, as Ansible's own module arguments do
             payload = {"source": source, "plan": host_plans[host], "manifest_code": code,
-                       "secrets": dict(secrets) if "nccl_env" in host_plans[host] else {}}  # fmt: skip
-            argv = ssh_argv(cfg, host, f"{sh_word(interpreter)} -c {sh_word(setup_probe.BOOT)}")
+                       "secrets": secrets_file if "nccl_env" in host_plans[host] else ""}  # fmt: skip
+            # bounded on the node too: killing this ssh would not stop a probe stuck on, say, a hung mount
+            remote = f"timeout -k 5 {timeout - 10:.0f} {sh_word(interpreter)} -c {sh_word(setup_probe.BOOT)}"
+            argv = ssh_argv(cfg, host, remote)
             try:
                 p = subprocess.run(argv, input=json.dumps(payload), capture_output=True, text=True,
                                    timeout=timeout, errors="replace", check=False)  # fmt: skip
@@ -221,11 +248,12 @@ def decide(roles: Mapping[str, Sequence[str]], wanted: Mapping[str, Mapping[str,
     out: dict[str, dict[str, str]] = {}
     for host, names in roles.items():
         had = (record or {}).get(host) or {}
-        digests = had.get("digests") or {} if had.get("address") == addresses[host] else {}
+        digests = had.get("digests") if had.get("address") == addresses[host] else None
+        digests = digests if isinstance(digests, dict) else {}  # a record edited by hand: as if none
         why: dict[str, str] = {}
         for role in names:
             now = found.states.get(host, {}).get(role)
-            rec = digests.get(role) or {}
+            rec = digests.get(role) if isinstance(digests.get(role), dict) else {}
             if host in found.failed:
                 why[role] = f"the probe could not read the node ({found.failed[host]})"
             elif not rec:
@@ -241,11 +269,19 @@ def decide(roles: Mapping[str, Sequence[str]], wanted: Mapping[str, Mapping[str,
 
 
 def joins(run: Mapping[str, Mapping[str, str]], chief: str, mesh_mode: str) -> list[str]:
-    """Hosts that must take part besides those with differences: ssh_mesh writes the connecting
-    hosts' keys into every node's authorized_keys, so they join when any node needs it."""
-    if not any("ssh_mesh" in roles for roles in run.values()):
-        return []
-    return list(run) if mesh_mode == "full" else [chief]
+    """Hosts that must take part besides those with differences, for roles that span hosts:
+
+    - ssh_mesh writes the connecting hosts' keys (the chief's, or every node's in a full mesh)
+      into every node's authorized_keys and pins every node in theirs: a node that needs it
+      brings the connecting hosts; a connecting host that needs it (a new key) brings all;
+    - python_env ends by comparing every node's Python and package versions with the others
+      in the play: all take part, or a node reinstalled alone would only be compared with itself.
+    """
+    mesh = [h for h, roles in run.items() if "ssh_mesh" in roles]
+    connecting = list(run) if mesh_mode == "full" else [chief]
+    if any("python_env" in roles for roles in run.values()) or set(mesh) & set(connecting):
+        return list(run)
+    return connecting if mesh else []
 
 
 def recordable(wanted: Mapping[str, Mapping[str, str]], found: Probe) -> dict[str, dict[str, dict[str, str]]]:

@@ -11,17 +11,20 @@ What each role's state covers (the inputs the role reads on the node, and what i
 
 - ``packages``: which of the spec's Debian packages dpkg does not list as installed (``bad``).
 - ``ssh_mesh``: this cluster's marked blocks in ``~/.ssh/authorized_keys`` and
-  ``~/.ssh/known_hosts``, the mesh key (private key's mode and digest, public key), and the
+  ``~/.ssh/known_hosts``, the mesh key (the private key's mode only, the public key), the modes
+  of ``~``, ``~/.ssh`` and ``authorized_keys`` (sshd's StrictModes), the hostname and the
   node's sshd host keys (which the chief pins).
 - ``python_env``: whether the env's interpreter exists, its ``.nodeops-installed`` record, its
   Python and package versions (read as the role's ``python_env_state`` module reads them: a
-  package changed by hand is ``bad``), and which tools are in its ``bin/``.
+  package changed by hand is ``bad``), and which tools are in its ``bin/`` (one missing is
+  ``bad``: the role tries it again).
 - ``shared_path``: rsync: every file of the controller's manifest, by size and SHA-256 (what
   the role's ``shared_path_state`` compares; files only on the node are outputs and never
   count); nfs: the mount and the fstab lines naming the path; and the directory's owner.
 - ``nccl_env``: ``env.sh`` (bytes and mode), the interfaces and IPv4 addresses the role picks
-  the socket interface from, ``$HOME``; ``secrets.env`` is compared with the spec's secret
-  values here, on the node (they come on stdin): its result is a yes/no, never a digest.
+  the socket interface from, the address as the node resolves it, ``$HOME``; ``secrets.env``
+  is compared byte for byte with the role's template rendered with the spec's secret values,
+  here, on the node (it comes on stdin): its result is a yes/no, never a digest.
 - ``deepspeed_env``: the files the role writes (``.deepspeed_env`` files, the hostfile and the
   lists of the keys it owns in each).
 
@@ -34,7 +37,7 @@ import glob
 import hashlib
 import json
 import os
-import shlex
+import socket
 import subprocess
 import sys
 from typing import Any
@@ -70,6 +73,14 @@ def file_state(path: str) -> list[object]:
             return [path, oct(st.st_mode & 0o7777), st.st_uid, hashlib.sha256(f.read()).hexdigest()]
     except OSError as e:
         return [path, "missing" if not os.path.lexists(full) else f"unreadable: {e.strerror}"]
+
+
+def mode_of(path: str) -> list[object]:
+    try:
+        st = os.stat(_path(path))
+    except OSError:
+        return [path, "missing"]
+    return [path, oct(st.st_mode & 0o7777), st.st_uid]
 
 
 def block(path: str, begin: str, end: str) -> list[str]:
@@ -110,8 +121,11 @@ def packages(names: list[str]) -> dict[str, Any]:
 def ssh_mesh(p: dict[str, Any]) -> dict[str, Any]:
     begin, end = "# BEGIN nodeops ssh_mesh " + p["cluster"], "# END nodeops ssh_mesh " + p["cluster"]
     key = p["key"]
+    # sshd refuses keys in a file or dir others may write (StrictModes): their modes count too;
+    # the private key counts by its mode only (its content never leaves the node, not even hashed)
     parts = [block("~/.ssh/authorized_keys", begin, end), block("~/.ssh/known_hosts", begin, end),
-             file_state(key), file_state(key + ".pub"),
+             file_state(key)[:3], file_state(key + ".pub"), mode_of("~"), mode_of("~/.ssh"),
+             mode_of("~/.ssh/authorized_keys"), os.uname()[1],
              [file_state(k) for k in sorted(glob.glob("/etc/ssh/ssh_host_*_key.pub"))]]  # fmt: skip
     bad = "" if parts[0] else "no ssh_mesh block in ~/.ssh/authorized_keys"
     return {"state": digest(parts), "bad": bad}
@@ -136,6 +150,8 @@ def python_env(p: dict[str, Any]) -> dict[str, Any]:
     bad = "its packages changed since setup installed them" if recorded and recorded != now else ""
     if not recorded:
         bad = "setup's install record (.nodeops-installed) is missing"
+    elif len(tools) < len(p.get("tools", [])):  # the role tries a tool it could not install again
+        bad = "not installed: " + ", ".join(t for t in p["tools"] if t not in tools)
     return {"state": digest(record, now, tools), "bad": bad}
 
 
@@ -163,36 +179,33 @@ def shared_path(p: dict[str, Any], manifest_code: str | None) -> dict[str, Any]:
     return {"state": digest(owner, fstab, os.path.ismount(path)), "bad": ""}
 
 
-def _secrets_same(path: str, wanted: dict[str, str]) -> bool:
-    """Whether secrets.env exports exactly the wanted values (mode 0600). Only a yes or no leaves."""
+def _secrets_same(path: str, wanted: str) -> bool:
+    """Whether secrets.env holds exactly ``wanted`` (the role's template rendered on the
+    controller with the spec's values) with mode 0600. Only a yes or no leaves."""
     full = _path(path)
     try:
         if os.stat(full).st_mode & 0o777 != 0o600:
             return False
-        with open(full, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError):
+        with open(full, "rb") as f:
+            return f.read() == wanted.encode("utf-8")
+    except OSError:
         return False
-    have: dict[str, str] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or not line.strip():
-            continue
-        if not line.startswith("export ") or "=" not in line:
-            return False
-        name, _, word = line[len("export ") :].partition("=")
-        try:
-            words = shlex.split(word)
-        except ValueError:
-            return False
-        have[name] = words[0] if len(words) == 1 else "\0"
-    return have == wanted
 
 
-def nccl_env(p: dict[str, Any], secrets: dict[str, str]) -> dict[str, Any]:
+def _resolved(address: str) -> list[str]:
+    """What the role resolves a node's address to (getent ahostsv4 there; an IP stays itself)."""
+    try:
+        return sorted({str(a[4][0]) for a in socket.getaddrinfo(address, None, socket.AF_INET)})
+    except OSError as e:
+        return ["unresolved: " + str(e)]
+
+
+def nccl_env(p: dict[str, Any], secrets: str) -> dict[str, Any]:
     d = p["dir"]
     rc, out = _run(["ip", "-o", "-4", "addr", "show"])
     addrs = sorted((w[1], w[3]) for w in (ln.split() for ln in out.splitlines()) if len(w) > 3) if rc == 0 else out
-    state = digest(file_state(d + "/env.sh"), addrs, os.path.expanduser("~"), p.get("address"))
+    address = p.get("address") or ""
+    state = digest(file_state(d + "/env.sh"), addrs, os.path.expanduser("~"), address, _resolved(address))
     bad = ""
     if not os.path.exists(_path(d + "/env.sh")):
         bad = "env.sh is missing"
@@ -208,7 +221,7 @@ def deepspeed_env(p: dict[str, Any]) -> dict[str, Any]:
     return {"state": digest(states), "bad": "missing: " + ", ".join(str(m) for m in missing) if missing else ""}
 
 
-def state(plan: dict[str, Any], secrets: dict[str, str], manifest_code: str | None) -> dict[str, Any]:
+def state(plan: dict[str, Any], secrets: str, manifest_code: str | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for role, p in plan.items():
         try:
@@ -232,7 +245,7 @@ def state(plan: dict[str, Any], secrets: dict[str, str], manifest_code: str | No
 
 
 def main(d: dict[str, Any]) -> None:
-    doc = state(d["plan"], d.get("secrets") or {}, d.get("manifest_code"))
+    doc = state(d["plan"], d.get("secrets") or "", d.get("manifest_code"))
     sys.stdout.write(MARK + json.dumps(doc, sort_keys=True) + "\n")
     sys.stdout.flush()
 

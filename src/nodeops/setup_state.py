@@ -105,6 +105,10 @@ def load(cluster: str) -> dict[str, dict[str, Any]] | None:
     if not all(isinstance(v, dict) for v in doc["hosts"].values()):
         return None  # damaged (edited by hand): as if there were none
     hosts: dict[str, dict[str, Any]] = doc["hosts"]
+    for entry in hosts.values():
+        digests = entry.get("digests", {})
+        if not (isinstance(digests, dict) and all(isinstance(d, dict) for d in digests.values())):
+            del entry["digests"]  # damaged: the fast path runs those hosts' roles, and records them anew
     return hosts
 
 

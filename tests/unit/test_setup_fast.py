@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
-import jinja2
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeops import setup_fast, setup_probe, workdir
-from nodeops.quoting import sh_word
 from nodeops.resources import data_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,33 +60,35 @@ def test_the_probe_reads_versions_as_the_python_env_role_does() -> None:
     assert ast.literal_eval(m.group(1)) == setup_probe.VERSIONS
 
 
-def render_secrets(values: dict[str, str]) -> str:
-    """The role's real secrets.env template, rendered with the collection's own quoting."""
-    text = (data_dir("roles") / "nccl_env" / "templates" / "secrets.env.j2").read_text()
-    env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True)  # Ansible's template defaults
-    env.filters["sh_word"] = sh_word
-    return env.from_string(text.replace("nodeops.cluster.nodeops_sh_word", "sh_word")).render(
-        nccl_env_secret_vars=values
-    )
-
-
 NAMES = st.from_regex(r"[A-Z_][A-Z0-9_]{0,8}", fullmatch=True)
-VALUES = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30)
+# newlines and quotes too; a NUL cannot be in an env value (the spec refuses it)
+VALUES = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=30)
 
 
-@settings(max_examples=150, deadline=None)
+def bash_exports(path: Path) -> dict[str, str]:
+    """What bash's `. secrets.env` sets (the real parser), each variable NUL-separated."""
+    script = 'set -a; . "$1"; for n in $(compgen -e); do printf "%s=%s\\0" "$n" "${!n}"; done'
+    out = subprocess.run(["env", "-i", "bash", "-c", script, "_", str(path)], capture_output=True, check=True).stdout
+    pairs = (item.decode().split("=", 1) for item in out.split(b"\0") if item)
+    return {k: v for k, v in pairs if k not in ("PWD", "SHLVL", "_", "OLDPWD")}
+
+
+@settings(max_examples=100, deadline=None)
 @given(st.dictionaries(NAMES, VALUES, max_size=4), st.dictionaries(NAMES, VALUES, max_size=4))
 def test_secrets_compare_true_only_for_the_same_values(
     tmp_path_factory: pytest.TempPathFactory, have: dict[str, str], want: dict[str, str]
 ) -> None:
+    """The controller renders the role's real template; bash reads back exactly the values, and
+    the node-side comparison says yes only for the same values, with mode 0600."""
     d = tmp_path_factory.mktemp("s")
     f = d / "secrets.env"
-    f.write_text(render_secrets(have))
+    f.write_text(setup_fast.secrets_env(have))
     os.chmod(f, 0o600)
-    assert setup_probe._secrets_same(str(f), want) is (have == want)
-    assert setup_probe._secrets_same(str(f), have)
+    assert bash_exports(f) == {k: v for k, v in have.items() if k not in ("PWD", "SHLVL", "_", "OLDPWD")}
+    assert setup_probe._secrets_same(str(f), setup_fast.secrets_env(want)) is (have == want)
+    assert setup_probe._secrets_same(str(f), setup_fast.secrets_env(have))
     os.chmod(f, 0o644)  # the role writes it 0600: any other mode is drift
-    assert not setup_probe._secrets_same(str(f), have)
+    assert not setup_probe._secrets_same(str(f), setup_fast.secrets_env(have))
 
 
 def test_secrets_never_leave_as_digests(tmp_path: Path) -> None:
@@ -94,11 +96,11 @@ def test_secrets_never_leave_as_digests(tmp_path: Path) -> None:
     d = tmp_path / "c"
     d.mkdir()
     (d / "env.sh").write_text("export A=1\n")
-    (d / "secrets.env").write_text(render_secrets({"TOKEN": "one"}))
+    (d / "secrets.env").write_text(setup_fast.secrets_env({"TOKEN": "one"}))
     os.chmod(d / "secrets.env", 0o600)
-    a = setup_probe.nccl_env({"dir": str(d), "address": "10.0.0.1"}, {"TOKEN": "one"})
-    (d / "secrets.env").write_text(render_secrets({"TOKEN": "two"}))
-    b = setup_probe.nccl_env({"dir": str(d), "address": "10.0.0.1"}, {"TOKEN": "one"})
+    a = setup_probe.nccl_env({"dir": str(d), "address": "127.0.0.1"}, setup_fast.secrets_env({"TOKEN": "one"}))
+    (d / "secrets.env").write_text(setup_fast.secrets_env({"TOKEN": "two"}))
+    b = setup_probe.nccl_env({"dir": str(d), "address": "127.0.0.1"}, setup_fast.secrets_env({"TOKEN": "one"}))
     assert a == {"state": b["state"], "bad": ""}
     assert b["bad"] == "secrets.env does not hold the spec's secret values"
     assert "one" not in repr(a) + repr(b) and "two" not in repr(b)
@@ -150,13 +152,14 @@ def test_python_env_reads_drift_as_the_role_does(tmp_path: Path) -> None:
     assert rc == 0
     now = hashlib.sha256(versions.strip().encode()).hexdigest()
     (prefix / ".nodeops-installed").write_text(f"fp\n{now}\n")
+    assert setup_probe.python_env(p)["bad"] == "not installed: py-spy"  # the role tries it again
+    (prefix / "bin" / "py-spy").write_text("")
     ok = setup_probe.python_env(p)
     assert ok["bad"] == ""
     (prefix / ".nodeops-installed").write_text("fp\nsomething-else\n")
     assert setup_probe.python_env(p)["bad"] == "its packages changed since setup installed them"
     (prefix / ".nodeops-installed").write_text(f"fp\n{now}\n")
-    (prefix / "bin" / "py-spy").write_text("")  # a tool appeared: another state
-    assert setup_probe.python_env(p)["state"] != ok["state"]
+    assert setup_probe.python_env({**p, "tools": []})["state"] != ok["state"]
     assert setup_probe.python_env({"prefix": str(tmp_path / "none")})["bad"].endswith("/bin/python does not exist")
 
 
@@ -210,10 +213,32 @@ def test_decide_runs_only_what_differs() -> None:
     assert set(setup_fast.decide(ROLES, WANTED, None, found(), ADDR)["node1"]) == set(ROLES["node1"])
 
 
-def test_ssh_mesh_anywhere_brings_the_connecting_hosts() -> None:
-    assert setup_fast.joins({"node1": {}, "node2": {"nccl_env": "x"}}, "node1", "chief") == []
-    assert setup_fast.joins({"node1": {}, "node2": {"ssh_mesh": "x"}}, "node1", "chief") == ["node1"]
-    assert setup_fast.joins({"node1": {}, "node2": {"ssh_mesh": "x"}}, "node1", "full") == ["node1", "node2"]
+def test_roles_that_span_hosts_bring_the_others() -> None:
+    three = {"node1": {}, "node2": {}, "node3": {}}
+    assert setup_fast.joins({**three, "node2": {"nccl_env": "x"}}, "node1", "chief") == []
+    assert setup_fast.joins({**three, "node2": {"ssh_mesh": "x"}}, "node1", "chief") == ["node1"]
+    everyone = ["node1", "node2", "node3"]
+    assert setup_fast.joins({**three, "node2": {"ssh_mesh": "x"}}, "node1", "full") == everyone
+    # a new key on the chief goes into every node's authorized_keys
+    assert setup_fast.joins({**three, "node1": {"ssh_mesh": "x"}}, "node1", "chief") == everyone
+    # python_env's closing comparison needs every node in the play
+    assert setup_fast.joins({**three, "node3": {"python_env": "x"}}, "node1", "chief") == everyone
+
+
+def test_a_damaged_record_is_as_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from nodeops import setup_state
+
+    monkeypatch.setenv("NODEOPS_HOME", str(tmp_path))
+    path = setup_state.record_path("c")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"version": setup_state.VERSION, "hosts": {
+        "node1": {"address": ADDR["node1"], "digests": ["x"]},
+        "node2": {"address": ADDR["node2"], "digests": {"ssh_mesh": "x"}}}}))  # fmt: skip
+    record = setup_state.load("c")
+    got = setup_fast.decide(ROLES, WANTED, record, found(), ADDR)
+    assert all(why == "no record of setting it up from this machine" for w in got.values() for why in w.values())
+    setup_state.record_digests("c", ADDR, {"node1": {"nccl_env": {"input": "i", "state": "s"}}})
+    assert setup_state.load("c")["node1"]["digests"] == {"nccl_env": {"input": "i", "state": "s"}}  # type: ignore[index]
 
 
 def test_only_clean_reads_are_recorded() -> None:

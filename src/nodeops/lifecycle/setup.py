@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nodeops import backends, gpus, setup_fast, setup_state
 from nodeops.backends.base import Sink
-from nodeops.errors import UsageError
+from nodeops.errors import NodeopsError, UsageError
 from nodeops.loading import load_spec
 from nodeops.render import inventory, require_controller_files, resolve_secrets
 from nodeops.runner import HostResult, RunResult, run_playbook
@@ -131,11 +131,15 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
         ran = [h.host for h in result.hosts.values() if h.in_play]
         try:
             setup_state.record(loaded, ran, roles)
-            _record_digests(loaded, inv, secrets, {h: [r for r in roles_by_host[h] if r in roles] for h in ran},
-                            wanted, by_name, sink)  # fmt: skip
         except OSError as e:  # setup itself succeeded: say what launch/check will miss
             sink.note(f"warning: could not keep the setup record ({e}); launch and check will not compare "
                       "the spec with this setup")  # fmt: skip
+        try:
+            _record_digests(loaded, inv, secrets, {h: [r for r in roles_by_host[h] if r in roles] for h in ran},
+                            wanted, by_name, sink)  # fmt: skip
+        except (OSError, NodeopsError, TypeError, ValueError, AttributeError) as e:  # setup itself succeeded
+            sink.note(f"warning: could not record the nodes' state ({type(e).__name__}: {e}); the next setup "
+                      "runs every role again")  # fmt: skip
     for h in probed:
         result.hosts[h] = HostResult(h, ok=len(roles_by_host[h]), in_play=True, task="as recorded")
     result.seconds = time.monotonic() - started
