@@ -30,12 +30,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-
 from nodeops import __version__, setup_probe, setup_state, workdir
 from nodeops.quoting import sh_word
 from nodeops.render import ssh_config
-from nodeops.resources import collection_root, data_dir
+from nodeops.resources import collection_root
 from nodeops.spec import LoadedSpec
 from nodeops.transport import fan_out, last_line, ssh_argv
 
@@ -167,13 +165,15 @@ def plans(loaded: LoadedSpec, inv: Mapping[str, Any], roles: Mapping[str, Sequen
     return out
 
 
+# roles/nccl_env/templates/secrets.env.j2, rendered here without jinja2 (kept off the CLI's
+# start-up); test_setup_fast renders the real template with jinja2 and compares.
+SECRETS_HEADER = "# Managed by nodeops (nccl_env role). Secret variables; mode 0600. Do not copy to logs.\n"
+
+
 def secrets_env(values: Mapping[str, str]) -> str:
-    """secrets.env as the nccl_env role writes it: its template, with the collection's quoting."""
-    text = (data_dir("roles") / "nccl_env" / "templates" / "secrets.env.j2").read_text()
-    env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, autoescape=False)  # Ansible's defaults
-    env.filters["sh_word"] = sh_word
-    template = env.from_string(text.replace("nodeops.cluster.nodeops_sh_word", "sh_word"))
-    return template.render(nccl_env_secret_vars=dict(values))
+    """secrets.env as the nccl_env role writes it, with the collection's quoting."""
+    by_name = sorted(values.items(), key=lambda kv: kv[0].lower())  # jinja2's dictsort ignores case
+    return SECRETS_HEADER + "".join(f"export {k}={sh_word(str(v))}\n" for k, v in by_name)
 
 
 @dataclass

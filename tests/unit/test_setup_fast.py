@@ -12,12 +12,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jinja2
 import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nodeops import setup_fast, setup_probe, workdir
+from nodeops.quoting import sh_word
 from nodeops.resources import data_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,6 +75,16 @@ def bash_exports(path: Path) -> dict[str, str]:
     return {k: v for k, v in pairs if k not in ("PWD", "SHLVL", "_", "OLDPWD")}
 
 
+def render_template(values: dict[str, str]) -> str:
+    """The role's real secrets.env template, rendered by jinja2 with the collection's quoting."""
+    text = (data_dir("roles") / "nccl_env" / "templates" / "secrets.env.j2").read_text()
+    env = jinja2.Environment(trim_blocks=True, keep_trailing_newline=True, autoescape=False)  # Ansible's defaults
+    env.filters["sh_word"] = sh_word
+    return env.from_string(text.replace("nodeops.cluster.nodeops_sh_word", "sh_word")).render(
+        nccl_env_secret_vars=values
+    )
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.dictionaries(NAMES, VALUES, max_size=4), st.dictionaries(NAMES, VALUES, max_size=4))
 def test_secrets_compare_true_only_for_the_same_values(
@@ -82,7 +94,8 @@ def test_secrets_compare_true_only_for_the_same_values(
     the node-side comparison says yes only for the same values, with mode 0600."""
     d = tmp_path_factory.mktemp("s")
     f = d / "secrets.env"
-    f.write_text(setup_fast.secrets_env(have))
+    assert setup_fast.secrets_env(have) == render_template(have)  # the fast path's rendering is the role's
+    f.write_bytes(setup_fast.secrets_env(have).encode())
     os.chmod(f, 0o600)
     assert bash_exports(f) == {k: v for k, v in have.items() if k not in ("PWD", "SHLVL", "_", "OLDPWD")}
     assert setup_probe._secrets_same(str(f), setup_fast.secrets_env(want)) is (have == want)
@@ -96,10 +109,10 @@ def test_secrets_never_leave_as_digests(tmp_path: Path) -> None:
     d = tmp_path / "c"
     d.mkdir()
     (d / "env.sh").write_text("export A=1\n")
-    (d / "secrets.env").write_text(setup_fast.secrets_env({"TOKEN": "one"}))
+    (d / "secrets.env").write_bytes(setup_fast.secrets_env({"TOKEN": "one"}).encode())
     os.chmod(d / "secrets.env", 0o600)
     a = setup_probe.nccl_env({"dir": str(d), "address": "127.0.0.1"}, setup_fast.secrets_env({"TOKEN": "one"}))
-    (d / "secrets.env").write_text(setup_fast.secrets_env({"TOKEN": "two"}))
+    (d / "secrets.env").write_bytes(setup_fast.secrets_env({"TOKEN": "two"}).encode())
     b = setup_probe.nccl_env({"dir": str(d), "address": "127.0.0.1"}, setup_fast.secrets_env({"TOKEN": "one"}))
     assert a == {"state": b["state"], "bad": ""}
     assert b["bad"] == "secrets.env does not hold the spec's secret values"
