@@ -104,7 +104,9 @@ def spec_for(sb: sandbox.Sandbox, work: Path, wheels: Path, torch: bool) -> Path
     spec = work / f"cluster-{len(sb.nodes)}.yaml"
     spec.write_text(sb.spec_path.read_text() + (
         "env: {OMP_NUM_THREADS: 1}\n"
-        f"python: {{packages: {pkgs}, wheelhouse: {wheels}}}\n"
+        # py_spy: false: the bench's wheelhouse has no py-spy, and a tool setup could not install
+        # is tried again by every setup (python_env runs): the bench measures a converged cluster
+        f"python: {{packages: {pkgs}, wheelhouse: {wheels}, py_spy: false}}\n"
         f"workdir: {{path: /srv/scale, source: {work / 'project'}}}\n"
         "network: {ib: 'off'}\n"
     ))  # fmt: skip
