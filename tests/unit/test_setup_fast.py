@@ -18,7 +18,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeops import setup_fast, setup_probe, workdir
+from nodeops import setup_fast, setup_probe, setup_state, workdir
 from nodeops.quoting import sh_word
 from nodeops.resources import data_dir
 
@@ -239,8 +239,6 @@ def test_roles_that_span_hosts_bring_the_others() -> None:
 
 
 def test_a_damaged_record_is_as_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nodeops import setup_state
-
     monkeypatch.setenv("NODEOPS_HOME", str(tmp_path))
     path = setup_state.record_path("c")
     path.parent.mkdir(parents=True)
