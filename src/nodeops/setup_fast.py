@@ -268,6 +268,19 @@ def decide(roles: Mapping[str, Sequence[str]], wanted: Mapping[str, Mapping[str,
     return out
 
 
+def add_gate(run: dict[str, dict[str, str]], roles: Mapping[str, Sequence[str]],
+             diffs: Sequence[setup_state.Difference], chief: str) -> None:  # fmt: skip
+    """Add what `launch` and `check` would refuse (setup_state.differences: what the spec needs
+    that the setup record lacks) to ``run``, so a plain setup always provides it. A role that
+    runs on the chief only (deepspeed_env) is run there for every host that lacks it."""
+    for d in diffs:
+        for host in d.hosts:
+            for role in roles[host] if d.role == "all roles" else [d.role]:
+                target = host if role in roles[host] else chief
+                if role in roles.get(target, ()):
+                    run[target].setdefault(role, f"{d.what}: {d.detail}")
+
+
 def joins(run: Mapping[str, Mapping[str, str]], chief: str, mesh_mode: str) -> list[str]:
     """Hosts that must take part besides those with differences, for roles that span hosts:
 

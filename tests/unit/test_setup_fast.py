@@ -256,3 +256,18 @@ def test_only_clean_reads_are_recorded() -> None:
     got = setup_fast.recordable(WANTED, found(bad={"node1": {"nccl_env": "env.sh is missing"}}))
     assert "nccl_env" not in got["node1"] and got["node2"]["nccl_env"] == {"input": "in-nccl_env",
                                                                           "state": "st-nccl_env"}  # fmt: skip
+
+
+def test_what_launch_would_refuse_is_always_run() -> None:
+    """The launch/check gate (setup_state.differences) and the fast path agree: a spec that now
+    needs .deepspeed_env (deepspeed_env's input did not change: the same env and hostfile as an
+    mpirun spec's) runs deepspeed_env on the chief, where it writes; a never-set-up node runs all."""
+    run: dict[str, dict[str, str]] = {"node1": {}, "node2": {}}
+    diffs = [
+        setup_state.Difference("launch.runner: deepspeed", "deepspeed needs .deepspeed_env", "deepspeed_env",
+                               ("node1", "node2")),
+        setup_state.Difference("nodes", "never set up", "all roles", ("node2",)),
+    ]  # fmt: skip
+    setup_fast.add_gate(run, ROLES, diffs, "node1")
+    assert run == {"node1": {"deepspeed_env": "launch.runner: deepspeed: deepspeed needs .deepspeed_env"},
+                   "node2": {"ssh_mesh": "nodes: never set up", "nccl_env": "nodes: never set up"}}  # fmt: skip

@@ -105,6 +105,7 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
             sink.note(f"==> probing {len(by_name)} node(s) against the setup record (setup --full skips this)")
             seen = setup_fast.probe(loaded, inv, setup_fast.plans(loaded, inv, roles_by_host), secrets)
             run = setup_fast.decide(roles_by_host, wanted, record, seen, by_name)
+            setup_fast.add_gate(run, roles_by_host, setup_state.differences(loaded) or [], chief)
             need = [h for h, why in run.items() if why]
             if not need:
                 hosts = {h: HostResult(h, ok=len(r), in_play=True, task="as recorded")
@@ -131,6 +132,8 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
         ran = [h.host for h in result.hosts.values() if h.in_play]
         try:
             setup_state.record(loaded, ran, roles)
+            if "deepspeed_env" in roles and chief in ran:  # its files live on the chief: every host has them now
+                setup_state.record(loaded, list(by_name), ["deepspeed_env"])
         except OSError as e:  # setup itself succeeded: say what launch/check will miss
             sink.note(f"warning: could not keep the setup record ({e}); launch and check will not compare "
                       "the spec with this setup")  # fmt: skip
