@@ -130,24 +130,32 @@ def inputs(inv: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     # shared_path_owner defaults to the controller's $USER when the inventory names no ansible_user
     extra["shared_path"] = os.environ.get("USER")
     base = collection_digest()
+    # the cluster-wide part once per role (the mesh's host list and the hostfile grow with N),
+    # then each host's own variables and connection on top of it
+    shared = {role: setup_probe.digest(base, role, {k: gv.get(k) for k in names}, extra.get(role))
+              for role, names in ROLE_VARS.items()}  # fmt: skip
     out: dict[str, dict[str, str]] = {}
     for host, hv in hosts.items():
         conn = [hv.get(k) for k in CONNECTION]
-        out[host] = {
-            role: setup_probe.digest(base, role, conn, {k: hv.get(k, gv.get(k)) for k in names}, extra.get(role))
-            for role, names in ROLE_VARS.items()
-        }
+        out[host] = {role: setup_probe.digest(shared[role], conn, {k: hv[k] for k in names if k in hv})
+                     for role, names in ROLE_VARS.items()}  # fmt: skip
     return out
 
 
-def plans(loaded: LoadedSpec, inv: Mapping[str, Any], roles: Mapping[str, Sequence[str]]) -> dict[str, dict[str, Any]]:
-    """What the probe reads on each host, per role."""
+def source_manifest(loaded: LoadedSpec, inv: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The workdir source's manifest when setup copies it (an rsync dry run: built once per setup)."""
+    wd = inv["all"]["vars"].get("nodeops_workdir")
+    return workdir.source_manifest(loaded) if wd and wd["sync"] == "rsync" else None
+
+
+def plans(inv: Mapping[str, Any], roles: Mapping[str, Sequence[str]],
+          manifest: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """What the probe reads on each host, per role (``manifest``: :func:`source_manifest`)."""
     gv = inv["all"]["vars"]
     cluster = gv["nodeops_cluster"]
     state_dir = f"~/.nodeops/{cluster}"
     py = gv.get("nodeops_python")
     wd = gv.get("nodeops_workdir")
-    manifest = workdir.source_manifest(loaded) if wd and wd["sync"] == "rsync" else None
     hosts = _hosts(inv)
     every: dict[str, Any] = {
         "packages": gv.get("nodeops_system_packages"),
@@ -223,22 +231,6 @@ def probe(loaded: LoadedSpec, inv: Mapping[str, Any], host_plans: Mapping[str, d
             else:
                 result.states[host] = got
     return result
-
-
-@dataclass
-class Decision:
-    """Which roles to run where, and why; empty when every node is as recorded."""
-
-    run: dict[str, dict[str, str]]  # host -> role -> why
-    probe: Probe
-
-    @property
-    def hosts(self) -> list[str]:
-        return [h for h, roles in self.run.items() if roles]
-
-    @property
-    def roles(self) -> list[str]:
-        return [r for r in setup_state.ROLES if any(r in roles for roles in self.run.values())]
 
 
 def decide(roles: Mapping[str, Sequence[str]], wanted: Mapping[str, Mapping[str, str]],

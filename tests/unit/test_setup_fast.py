@@ -271,3 +271,21 @@ def test_what_launch_would_refuse_is_always_run() -> None:
     setup_fast.add_gate(run, ROLES, diffs, "node1")
     assert run == {"node1": {"deepspeed_env": "launch.runner: deepspeed: deepspeed needs .deepspeed_env"},
                    "node2": {"ssh_mesh": "nodes: never set up", "nccl_env": "nodes: never set up"}}  # fmt: skip
+
+
+def test_inputs_change_with_what_each_role_reads_and_nothing_else() -> None:
+    def inv(env: str, ifname2: str, hostfile: list[str]) -> dict[str, object]:
+        host = {"ansible_host": "10.0.0.1", "nodeops_socket_ifname": "auto", "nodeops_node_rank": 0}
+        node2 = {**host, "ansible_host": "10.0.0.2", "nodeops_socket_ifname": ifname2}
+        return {"all": {"vars": {"nodeops_cluster": "c", "nodeops_env": {"A": env}, "nodeops_hostfile_hosts": hostfile},
+                        "children": {"chief": {"hosts": {"node1": host}},
+                                     "workers": {"hosts": {"node2": node2}}}}}  # fmt: skip
+
+    base = setup_fast.inputs(inv("1", "auto", ["a"]))
+    env = setup_fast.inputs(inv("2", "auto", ["a"]))
+    assert {h: [r for r in base[h] if base[h][r] != env[h][r]] for h in base} == {
+        "node1": ["nccl_env"], "node2": ["nccl_env"]}  # fmt: skip
+    own = setup_fast.inputs(inv("1", "eth1", ["a"]))  # one host's own variable: that host only
+    assert {h: [r for r in base[h] if base[h][r] != own[h][r]] for h in base} == {"node1": [], "node2": ["nccl_env"]}
+    hostfile = setup_fast.inputs(inv("1", "auto", ["a", "b"]))
+    assert all([r for r in base[h] if base[h][r] != hostfile[h][r]] == ["deepspeed_env"] for h in base)

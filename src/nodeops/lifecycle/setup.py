@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from nodeops import backends, gpus, setup_fast, setup_state
 from nodeops.backends.base import Sink
@@ -99,11 +100,14 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
     roles_by_host = setup_fast.roles_of(inv, skip)
     wanted = setup_fast.inputs(inv)
     probed: list[str] = []  # hosts the fast path found as recorded (not in the play)
+    manifest: dict[str, Any] | None = None  # the workdir source's, built once (by the first probe)
+    looked = False
     if not (request.full or tags or limited or request.check or request.diff):
         record = setup_state.load(loaded.cluster_name)
         if record and any(isinstance(e.get("digests"), dict) for e in record.values()):
             sink.note(f"==> probing {len(by_name)} node(s) against the setup record (setup --full skips this)")
-            seen = setup_fast.probe(loaded, inv, setup_fast.plans(loaded, inv, roles_by_host), secrets)
+            manifest, looked = setup_fast.source_manifest(loaded, inv), True
+            seen = setup_fast.probe(loaded, inv, setup_fast.plans(inv, roles_by_host, manifest), secrets)
             run = setup_fast.decide(roles_by_host, wanted, record, seen, by_name)
             setup_fast.add_gate(run, roles_by_host, setup_state.differences(loaded) or [], chief)
             need = [h for h, why in run.items() if why]
@@ -138,8 +142,10 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
             sink.note(f"warning: could not keep the setup record ({e}); launch and check will not compare "
                       "the spec with this setup")  # fmt: skip
         try:
+            if not looked:
+                manifest = setup_fast.source_manifest(loaded, inv)
             _record_digests(loaded, inv, secrets, {h: [r for r in roles_by_host[h] if r in roles] for h in ran},
-                            wanted, by_name, sink)  # fmt: skip
+                            wanted, by_name, manifest, sink)  # fmt: skip
         except (OSError, NodeopsError, TypeError, ValueError, AttributeError) as e:  # setup itself succeeded
             sink.note(f"warning: could not record the nodes' state ({type(e).__name__}: {e}); the next setup "
                       "runs every role again")  # fmt: skip
@@ -151,12 +157,12 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
 
 def _record_digests(loaded: LoadedSpec, inv: dict[str, object], secrets: dict[str, str],
                     ran: dict[str, list[str]], wanted: dict[str, dict[str, str]], by_name: dict[str, str],
-                    sink: Sink) -> None:  # fmt: skip
+                    manifest: dict[str, Any] | None, sink: Sink) -> None:  # fmt: skip
     """Probe the hosts that ran and record their roles' state, for the next setup's fast path."""
     ran = {h: r for h, r in ran.items() if r}
     if not ran:
         return
-    found = setup_fast.probe(loaded, inv, setup_fast.plans(loaded, inv, ran), secrets)
+    found = setup_fast.probe(loaded, inv, setup_fast.plans(inv, ran, manifest), secrets)
     clean = setup_fast.recordable(wanted, found)
     dropped = {h: [r for r in roles if r not in clean.get(h, {})] for h, roles in ran.items()}
     setup_state.record_digests(loaded.cluster_name, by_name, {h: clean.get(h, {}) for h in ran}, dropped)
