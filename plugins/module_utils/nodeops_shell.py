@@ -11,6 +11,7 @@ job.sh and every command line are quoted by exactly the same code on every path.
 | ``sh_path`` | the path, a leading ``~`` / ``~/`` as the remote ``$HOME`` |
 | ``sh_expand`` | an AutoDist ``shared_envs`` value: ``$NAME``/``${NAME}`` expand, the rest is literal |
 | ``sh_run_word`` | ``sh_word``, with the reserved token ``@@HOME@@`` as the remote ``"$HOME"`` |
+| ``rsync_rsh_word`` | not bash: one word of rsync's ``-e`` command, which rsync splits itself |
 
 Each raises :class:`ShellQuotingError` (a ``ValueError``) for what bash cannot carry (a NUL).
 """
@@ -80,3 +81,10 @@ def sh_expand(value: object) -> str:
     text = _no_nul(str(value))
     out = "".join(f'"${{{text}}}"' if kind == "ref" else shlex.quote(text) for kind, text in expand_refs(text))
     return out or "''"
+
+
+def rsync_rsh_word(value: object) -> str:
+    """One word of the command given to rsync's ``-e``, which rsync splits itself, not bash: on
+    spaces, where quotes keep spaces in a word and a quote doubled inside quotes is that quote
+    (rsync's ``do_cmd``). Nothing else is special to it."""
+    return "'" + _no_nul(str(value)).replace("'", "''") + "'"

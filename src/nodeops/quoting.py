@@ -6,6 +6,7 @@ string into a file or a command that another parser reads.
 | bash, one word | :func:`sh_word` | exactly the string (no expansion of any kind) |
 | bash, a path that may start with ``~/`` | :func:`sh_path` | the path, ``~`` as the remote ``$HOME`` |
 | bash, a ``shared_envs`` value | :func:`sh_expand` | ``$NAME``/``${NAME}`` expanded, the rest literal |
+| rsync's ``-e`` command, one word | :func:`rsync_rsh_word` | exactly the string (rsync splits ``-e`` itself) |
 | ssh_config | :func:`ssh_config_value` | exactly the string (``%`` escaped where ssh expands tokens) |
 | /etc/fstab | (validate) | ``ansible.posix.mount`` writes it; NFS fields need no escaping |
 | Ansible (inventory, extra vars) | :func:`ansible_yaml` | exactly the string, never templated (``!unsafe``) |
@@ -34,6 +35,7 @@ __all__ = [
     "QuotingError",
     "ansible_yaml",
     "expand_refs",
+    "rsync_rsh_word",
     "sh_expand",
     "sh_path",
     "sh_run_word",
@@ -67,6 +69,7 @@ sh_word = _bash(_shell.sh_word)
 sh_path = _bash(_shell.sh_path)
 sh_expand = _bash(_shell.sh_expand)
 sh_run_word = _bash(_shell.sh_run_word)
+rsync_rsh_word = _bash(_shell.rsync_rsh_word)
 expand_refs = _shell.expand_refs
 
 

@@ -166,6 +166,7 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
         "nodeops_hostfile_hosts": [{"host": n.address, "slots": spec.nproc(n)} for n in ranked],
         "nodeops_system_packages": system_packages(spec),
         "nodeops_mesh_mode": spec.mesh.mode,
+        "nodeops_relay": spec.mesh.relay,
     }
     if spec.mesh.key_file:
         all_vars["nodeops_mesh_key_file"] = controller_path(spec.mesh.key_file, loaded.spec_dir)
@@ -182,6 +183,7 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
             "wheelhouse": controller_path(py.wheelhouse, loaded.spec_dir) if py.wheelhouse else None,
             "tools": python_tools(py),
             "tools_required": py.py_spy is True,
+            "installer": py.installer,
         }
     if spec.workdir is not None:
         wd = spec.workdir

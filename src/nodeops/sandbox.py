@@ -419,6 +419,18 @@ def existing_subnet(name: str) -> str | None:
     return subnets[0] if subnets else None
 
 
+def bytes_sent(name: str) -> int:
+    """Bytes this machine (the controller) has sent into the sandbox's network so far: the
+    transmit counter of the network's Linux bridge. Node-to-node traffic is switched between
+    the containers' ports and never counts."""
+    net_id = docker("network", "inspect", "--format", "{{.Id}}", network_name(name)).strip()
+    counter = Path("/sys/class/net") / f"br-{net_id[:12]}" / "statistics" / "tx_bytes"
+    try:
+        return int(counter.read_text())
+    except (OSError, ValueError) as e:
+        raise SandboxError(f"cannot read {counter}, the byte counter of sandbox {name}'s bridge: {e}") from None
+
+
 def up(
     name: str = DEFAULT_NAME,
     n: int = 3,

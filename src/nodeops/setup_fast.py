@@ -41,8 +41,8 @@ from nodeops.transport import fan_out, last_line, ssh_argv
 ROLE_VARS: dict[str, tuple[str, ...]] = {
     "packages": ("nodeops_system_packages",),
     "ssh_mesh": ("nodeops_mesh_mode", "nodeops_cluster", "nodeops_mesh_key_file"),
-    "python_env": ("nodeops_python",),
-    "shared_path": ("nodeops_workdir",),
+    "python_env": ("nodeops_python", "nodeops_relay"),
+    "shared_path": ("nodeops_workdir", "nodeops_relay"),
     "nccl_env": ("nodeops_cluster", "nodeops_socket_ifname", "nodeops_network_ib", "nodeops_nccl_env", "nodeops_env",
                  "nodeops_shared_envs", "nodeops_secret_env_names"),
     "deepspeed_env": ("nodeops_cluster", "nodeops_deepspeed_env", "nodeops_hostfile_hosts", "nodeops_workdir"),
@@ -157,14 +157,18 @@ def plans(inv: Mapping[str, Any], roles: Mapping[str, Sequence[str]],
     py = gv.get("nodeops_python")
     wd = gv.get("nodeops_workdir")
     hosts = _hosts(inv)
+    ds_files = [f"{d}/.deepspeed_env" for d in ["~", *([wd["path"]] if wd else [])]]
     every: dict[str, Any] = {
         "packages": gv.get("nodeops_system_packages"),
         "ssh_mesh": {"cluster": cluster, "key": MESH_KEY},
         "python_env": py and {"prefix": (py["venv"] or "~/.nodeops/venv") if py["kind"] == "venv"
                               else f"{py['conda_base']}/envs/{py['conda']}", "tools": py.get("tools", [])},
         "shared_path": wd and {"path": wd["path"], "mode": wd["sync"], "manifest": manifest},
-        "deepspeed_env": {"files": [f"{d}/.deepspeed_env" for d in ["~", *([wd["path"]] if wd else [])]]
-                          + [f"{state_dir}/hostfile"], "globs": [f"{state_dir}/deepspeed_env.*.keys"]},
+        "deepspeed_env": {"files": [*ds_files, f"{state_dir}/hostfile"],
+                          "globs": [f"{state_dir}/deepspeed_env.*.keys"],
+                          # the role writes no .deepspeed_env where it has no variables to put in one
+                          "required": [*(ds_files if gv.get("nodeops_deepspeed_env") else []),
+                                       f"{state_dir}/hostfile"]},
     }  # fmt: skip
     out: dict[str, dict[str, Any]] = {}
     for host, names in roles.items():
@@ -273,20 +277,23 @@ def add_gate(run: dict[str, dict[str, str]], roles: Mapping[str, Sequence[str]],
                     run[target].setdefault(role, f"{d.what}: {d.detail}")
 
 
-def joins(run: Mapping[str, Mapping[str, str]], chief: str, mesh_mode: str) -> list[str]:
+def joins(run: Mapping[str, Mapping[str, str]], chief: str, mesh_mode: str, relay: bool = False) -> list[str]:
     """Hosts that must take part besides those with differences, for roles that span hosts:
 
     - ssh_mesh writes the connecting hosts' keys (the chief's, or every node's in a full mesh)
       into every node's authorized_keys and pins every node in theirs: a node that needs it
       brings the connecting hosts; a connecting host that needs it (a new key) brings all;
     - python_env ends by comparing every node's Python and package versions with the others
-      in the play: all take part, or a node reinstalled alone would only be compared with itself.
+      in the play: all take part, or a node reinstalled alone would only be compared with itself;
+    - with ``relay``, shared_path passes the workdir on from the chief, which must be in the play
+      (else the controller sends to each node).
     """
     mesh = [h for h, roles in run.items() if "ssh_mesh" in roles]
     connecting = list(run) if mesh_mode == "full" else [chief]
     if any("python_env" in roles for roles in run.values()) or set(mesh) & set(connecting):
         return list(run)
-    return connecting if mesh else []
+    relayed = relay and any("shared_path" in roles for roles in run.values())
+    return connecting if mesh or relayed else []
 
 
 def recordable(wanted: Mapping[str, Mapping[str, str]], found: Probe) -> dict[str, dict[str, dict[str, str]]]:

@@ -217,7 +217,8 @@ def nccl_env(p: dict[str, Any], secrets: str) -> dict[str, Any]:
 def deepspeed_env(p: dict[str, Any]) -> dict[str, Any]:
     globbed = [g for pattern in p.get("globs", []) for g in sorted(glob.glob(_path(pattern)))]
     states = [file_state(f) for f in p["files"]] + [file_state(g) for g in globbed]
-    missing = [s[0] for s in states if s[1] == "missing"]
+    required = p.get("required", p["files"])
+    missing = [s[0] for s in states if s[1] == "missing" and s[0] in required]
     return {"state": digest(states), "bad": "missing: " + ", ".join(str(m) for m in missing) if missing else ""}
 
 

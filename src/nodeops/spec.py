@@ -329,6 +329,12 @@ class PythonSpec(_Model):
     wheelhouse: str | None = Field(
         None, description="Controller dir of wheels, synced to the nodes and installed with --no-index."
     )
+    installer: Literal["auto", "uv", "pip"] = Field(
+        "auto",
+        description="Who installs the packages on the nodes: 'auto', uv where it can be installed (beside the env, "
+        "from the wheelhouse when one is given; put uv's wheel in it), pip where it cannot or where uv fails; 'uv': "
+        "setup fails without it; 'pip'. The env's packages are the same either way.",
+    )
     py_spy: bool | None = Field(
         None,
         description="py-spy in the env, for `nodeops stacks` and the hang watchdog (read a rank's stack without "
@@ -502,6 +508,12 @@ class MeshSpec(_Model):
         None,
         description="Controller private key to install as the chief's mesh key. Default: the chief generates its own "
         "(private keys are never copied unless you set this).",
+    )
+    relay: bool = Field(
+        True,
+        description="setup sends the wheelhouse and the workdir's files to the chief once, and the chief passes them "
+        "on to the other nodes over the mesh (rsync with its mesh key), so the controller's traffic does not grow with "
+        "the cluster. false: the controller sends them to every node.",
     )
 
     @field_validator("key_file")

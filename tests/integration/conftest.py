@@ -68,14 +68,15 @@ def sandbox_cluster() -> Iterator[sandbox.Sandbox]:
 
 def wheelhouse() -> Path:
     """torch 2.13.0 (CPU, from this machine's pip cache), numpy (torch warns on import without
-    it), py-spy (setup installs it by default, for `nodeops stacks`) and their dependencies,
-    downloaded once."""
-    if not (WHEELHOUSE / ".complete-3").exists():
+    it), py-spy (setup installs it by default, for `nodeops stacks`), uv (setup installs with it
+    where it can) and their dependencies, downloaded once."""
+    if not (WHEELHOUSE / ".complete-4").exists():
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "torch==2.13.0", "numpy", "py-spy", "-d", str(WHEELHOUSE)],
+            [sys.executable, "-m", "pip", "download", "-q", "torch==2.13.0", "numpy", "py-spy", "uv",
+             "-d", str(WHEELHOUSE)],
             check=True, timeout=900,
         )  # fmt: skip
-        (WHEELHOUSE / ".complete-3").touch()
+        (WHEELHOUSE / ".complete-4").touch()
     return WHEELHOUSE
 
 

@@ -72,3 +72,57 @@ def test_deepspeed_env_file_writes_the_hostfile_and_every_dir_in_one_call(tmp_pa
     task["nodeops.cluster.deepspeed_env_file"]["state_dir"] = str(fresh)  # type: ignore[index]
     assert play(tmp_path, [task]).returncode == 0
     assert stat.S_IMODE(fresh.stat().st_mode) == 0o700  # a state dir it creates is private
+
+
+FAKE_SSH = """#!/bin/sh
+# ssh for relay_sync's tests: drops ssh's options and the host, runs the command here.
+while [ $# -gt 0 ]; do case "$1" in -i|-p|-o|-l) shift 2;; -*) shift;; *) break;; esac; done
+shift
+exec sh -c "$*"
+"""
+
+
+def test_relay_sync_passes_on_the_listed_files_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's real rsync, with an ssh that runs the far side here: only the source's files
+    reach the target (an output on the relay stays there), and a second run changes nothing."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ssh").write_text(FAKE_SSH)
+    (bindir / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    relay, target = tmp_path / "relay dir", tmp_path / "target"
+    (relay / "data").mkdir(parents=True)
+    (relay / "train.py").write_text("print('x')\n")
+    (relay / "data" / "it's.json").write_text("{}\n")
+    (relay / "ckpt.pt").write_text("an output the job wrote on the chief\n")
+    task = {"nodeops.cluster.relay_sync": {
+        "src": str(relay), "dest": str(target), "files": ["train.py", "data/it's.json"], "checksum": True,
+        "key": str(tmp_path / "no key"), "target": {"name": "node2", "address": "10.0.0.2", "port": 2222}},
+        "register": "r"}  # fmt: skip
+    show = {"ansible.builtin.debug": {"msg": "RESULT {{ r | to_json }}"}}
+    p = play(tmp_path, [task, show])
+    assert p.returncode == 0, p.stdout + p.stderr
+    result = json.loads(re.search(r'RESULT (\{.*\})"', p.stdout).group(1).replace('\\"', '"'))  # type: ignore[union-attr]
+    assert result["relayed"] is True and result["changed"] is True
+    assert sorted(str(f.relative_to(target)) for f in target.rglob("*") if f.is_file()) == [
+        "data/it's.json",
+        "train.py",
+    ]
+    again = play(tmp_path, [task, show])
+    assert again.returncode == 0 and re.search(r"localhost\s*: ok=2\s+changed=0", again.stdout), again.stdout
+
+
+def test_relay_sync_that_cannot_reach_its_target_warns_and_says_so(tmp_path: Path) -> None:
+    """No sshd answers: the task does not fail, returns relayed: false and warns with the target's
+    name and ssh's reason, so the play can send from the controller instead."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.whl").write_text("wheel\n")
+    task = {"nodeops.cluster.relay_sync": {
+        "src": str(tmp_path / "src"), "dest": "~/.nodeops/python_env/wheelhouse", "key": str(tmp_path / "k"),
+        "timeout": 3, "target": {"name": "node7", "address": "127.0.0.1", "port": 9}}, "register": "r"}  # fmt: skip
+    p = play(tmp_path, [task, {"ansible.builtin.assert": {"that": ["not r.relayed", "not r.changed"]}}])
+    assert p.returncode == 0, p.stdout + p.stderr
+    warning = " ".join((p.stdout + p.stderr).split())
+    assert (
+        "could not pass" in warning and "on to node7" in warning and "rsync exit" in warning and "refused" in warning
+    ), warning

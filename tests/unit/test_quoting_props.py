@@ -15,6 +15,7 @@ the target's own parser as exactly the intended values, and a sentinel command n
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -90,6 +91,36 @@ def test_sh_word_arrives_exactly(values: list[str], tmp_path_factory: pytest.Tem
     out = bash("printf '%s\\0' " + " ".join(quoting.sh_word(v) for v in values))
     assert nul_split(out) == values
     assert not sentinel.exists()
+
+
+# --------------------------------------------------------------------------- rsync -e
+ARGV_DUMPER = (
+    "#!/usr/bin/env python3\nimport json, os, sys\n"
+    "json.dump(sys.argv[1:], open(os.environ['ARGV_OUT'], 'w'))\nsys.exit(1)\n"
+)
+
+
+@given(values=st.lists(TEXT, min_size=1, max_size=6))
+@SETTINGS
+def test_rsync_rsh_word_arrives_exactly(values: list[str], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The words of the relay's ``rsync -e`` command, as the ssh that real rsync starts receives them."""
+    d = tmp_path_factory.mktemp("rsh")
+    if any("\0" in v for v in values):
+        with pytest.raises(quoting.QuotingError):
+            [quoting.rsync_rsh_word(v) for v in values]
+        return
+    dumper = d / "dump-argv"
+    dumper.write_text(ARGV_DUMPER)
+    dumper.chmod(0o755)
+    (d / "src").mkdir()
+    rsh = " ".join([quoting.rsync_rsh_word(str(dumper)), *(quoting.rsync_rsh_word(v) for v in values)])
+    env = {"PATH": os.environ["PATH"], "ARGV_OUT": str(d / "argv.json"), "LC_ALL": "C.UTF-8"}
+    p = subprocess.run(["rsync", "-r", "-e", rsh, f"{d}/src/", "h:dst/"], capture_output=True, timeout=20,
+                       check=False, env=env)  # fmt: skip
+    assert p.returncode != 0  # the dumper is not an ssh
+    got = json.loads((d / "argv.json").read_text())
+    assert got[: len(values)] == values, p.stderr
+    assert got[len(values)] == "h"
 
 
 @given(names=st.lists(st.sampled_from(["NCCL_DEBUG", "A", "_x1", "NCCL_DEBUG_SUBSYS"]), min_size=1, max_size=4,

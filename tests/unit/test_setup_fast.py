@@ -236,6 +236,9 @@ def test_roles_that_span_hosts_bring_the_others() -> None:
     assert setup_fast.joins({**three, "node1": {"ssh_mesh": "x"}}, "node1", "chief") == everyone
     # python_env's closing comparison needs every node in the play
     assert setup_fast.joins({**three, "node3": {"python_env": "x"}}, "node1", "chief") == everyone
+    # the chief passes the workdir on: it takes part (its own copy is checked, not redone)
+    assert setup_fast.joins({**three, "node3": {"shared_path": "x"}}, "node1", "chief") == []
+    assert setup_fast.joins({**three, "node3": {"shared_path": "x"}}, "node1", "chief", relay=True) == ["node1"]
 
 
 def test_a_damaged_record_is_as_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,3 +292,25 @@ def test_inputs_change_with_what_each_role_reads_and_nothing_else() -> None:
     assert {h: [r for r in base[h] if base[h][r] != own[h][r]] for h in base} == {"node1": [], "node2": ["nccl_env"]}
     hostfile = setup_fast.inputs(inv("1", "auto", ["a", "b"]))
     assert all([r for r in base[h] if base[h][r] != hostfile[h][r]] == ["deepspeed_env"] for h in base)
+
+
+def test_deepspeed_env_files_are_required_only_with_variables(tmp_path: Path) -> None:
+    """With no variables for it the role writes no .deepspeed_env: its absence is not a difference
+    (a spec without `env:` would otherwise run deepspeed_env on every setup)."""
+
+    def inv(ds_env: dict[str, str]) -> dict[str, object]:
+        host = {"ansible_host": "10.0.0.1", "nodeops_node_rank": 0}
+        return {"all": {"vars": {"nodeops_cluster": "c", "nodeops_deepspeed_env": ds_env},
+                        "children": {"chief": {"hosts": {"node1": host}}, "workers": {"hosts": {}}}}}  # fmt: skip
+
+    roles = {"node1": ["deepspeed_env"]}
+    bare = setup_fast.plans(inv({}), roles, None)["node1"]["deepspeed_env"]
+    assert bare["required"] == ["~/.nodeops/c/hostfile"]
+    withvars = setup_fast.plans(inv({"A": "1"}), roles, None)["node1"]["deepspeed_env"]
+    assert withvars["required"] == ["~/.deepspeed_env", "~/.nodeops/c/hostfile"]
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("10.0.0.1 slots=1\n")
+    plan = {"files": [str(tmp_path / ".deepspeed_env"), str(hostfile)], "globs": [], "required": [str(hostfile)]}
+    assert setup_probe.deepspeed_env(plan)["bad"] == ""
+    assert setup_probe.deepspeed_env({**plan, "required": plan["files"]})["bad"].startswith("missing: ")
