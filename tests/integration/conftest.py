@@ -125,9 +125,13 @@ def first_run(sandbox_cluster: sandbox.Sandbox, project: Path) -> Iterator[subpr
     assert ssh(sb, "node2", f"printf '%s\\n' '{USER_KEY_LINE}' >> ~/.ssh/authorized_keys").returncode == 0
     before = ssh(sb, "node2", "cat ~/.ssh/authorized_keys").stdout
     t = time.monotonic()
+    sent = sandbox.bytes_sent(sb.name)
     p = setup(project / "cluster.yaml", env={"NODEOPS_IT_SECRET": SECRET})
     print(f"first setup took {time.monotonic() - t:.1f}s")
     p.authorized_keys_before = before  # type: ignore[attr-defined]
+    p.bytes_sent = sandbox.bytes_sent(sb.name) - sent  # type: ignore[attr-defined]
+    listing = "cd ~/.nodeops/python_env/wheelhouse && stat -c '%n %s' *.whl"  # later specs restage it
+    p.staged = {n.name: ssh(sb, n.name, listing).stdout for n in sb.nodes}  # type: ignore[attr-defined]
     yield p
 
 

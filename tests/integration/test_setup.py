@@ -18,7 +18,7 @@ import pytest
 from nodeops import sandbox
 from nodeops.resources import nodeops_home
 
-from .conftest import NODEOPS, SECRET, USER_KEY_LINE, WORKDIR, setup, ssh, subnet_of
+from .conftest import NODEOPS, SECRET, USER_KEY_LINE, WORKDIR, setup, ssh, subnet_of, wheelhouse
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -435,3 +435,77 @@ def test_py_spy_that_cannot_be_installed_is_a_warning_unless_the_spec_requires_i
     finally:
         for node in sandbox_cluster.nodes:
             ssh(sandbox_cluster, node.name, "rm -rf ~/.venvs/bare")
+
+
+def run_stdout(stderr: str) -> str:
+    """The Ansible output of the run whose artifacts a setup printed."""
+    m = re.search(r"^artifacts: (\S+)$", stderr, re.M)
+    assert m, stderr[-2000:]
+    return next(Path(m.group(1)).glob("artifacts/*/stdout")).read_text()
+
+
+def task_results(stdout: str, task: str) -> dict[str, str]:
+    """host -> ok/changed/skipping/failed for one task of an Ansible run's output."""
+    block = stdout.split(f" : {task}] ", 1)[1].split("\nTASK [", 1)[0]
+    return {
+        host: status for status, host in re.findall(r"^(ok|changed|skipping|failed|fatal): \[(node\d)", block, re.M)
+    }
+
+
+def test_cold_setup_sent_the_wheelhouse_once(
+    sandbox_cluster: sandbox.Sandbox, first_run: subprocess.CompletedProcess[str]
+) -> None:
+    """Issue 29: the controller sent the wheelhouse to the chief only; the chief passed it on to
+    node2 and node3 over the cluster's network, and every node holds all of it.
+
+    How the test knows: the bytes this machine sent into the sandbox's network during the first
+    setup (the Docker bridge's transmit counter: node-to-node traffic is switched between the
+    containers and never counts) stay under 2x the wheelhouse, where sending it to each of the
+    3 nodes would be at least 3x. The counter also holds the nodes' apt downloads (NATed through
+    this machine) and Ansible's own traffic, hence the margin."""
+    wheels = {w.name: w.stat().st_size for w in wheelhouse().glob("*.whl")}
+    size = sum(wheels.values())
+    sent = first_run.bytes_sent  # type: ignore[attr-defined]
+    print(f"first setup: {sent / 2**20:.0f} MiB sent into the sandbox network, wheelhouse {size / 2**20:.0f} MiB")
+    assert size < sent < 2 * size, (sent, size)
+    out = run_stdout(first_run.stderr)
+    assert task_results(out, "Sync the wheelhouse to the relay host") == {"node1": "changed"}
+    assert task_results(out, "Pass the wheelhouse on from the relay host") == {
+        "node1": "skipping", "node2": "changed", "node3": "changed"}  # fmt: skip
+    assert set(task_results(out, "Sync the wheelhouse to the node from the controller").values()) == {"skipping"}
+    for node in sandbox_cluster.nodes:  # read right after the first setup (conftest.first_run)
+        got = dict(line.rsplit(" ", 1) for line in first_run.staged[node.name].splitlines())  # type: ignore[attr-defined]
+        assert {k: int(v) for k, v in got.items()} == wheels, node.name
+
+
+def test_pip_and_uv_make_the_same_env(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: subprocess.CompletedProcess[str], tmp_path: Path
+) -> None:
+    """Issue 29: the first setup installed with uv (installer: auto, uv's wheel is in the
+    wheelhouse); the same spec with installer: pip into another venv gives every node the same
+    packages at the same versions, and the parity check across nodes passes on both."""
+    out = run_stdout(first_run.stderr)
+    assert set(task_results(out, "Install the packages with uv").values()) == {"changed"}
+    assert set(task_results(out, "Install the packages with pip").values()) == {"skipping"}
+    text = (
+        (project / "cluster.yaml")
+        .read_text()
+        .replace("venv: ~/.venvs/train", "venv: ~/.venvs/train-pip\n  installer: pip", 1)
+    )
+    spec = tmp_path / "pip.yaml"
+    spec.write_text(text)
+    try:
+        p = setup(spec, "--tags", "python_env", env={"NODEOPS_IT_SECRET": SECRET})
+        assert p.returncode == 0, p.stderr[-3000:]
+        pip_out = run_stdout(p.stderr)
+        assert set(task_results(pip_out, "Install the packages with pip").values()) == {"changed"}
+        assert set(task_results(pip_out, "Install the packages with uv").values()) == {"skipping"}
+        freeze = "~/.venvs/{}/bin/python -m pip list --format=freeze --disable-pip-version-check"
+        for node in sandbox_cluster.nodes:
+            by_uv = ssh(sandbox_cluster, node.name, freeze.format("train")).stdout.split()
+            by_pip = ssh(sandbox_cluster, node.name, freeze.format("train-pip")).stdout.split()
+            assert "torch==2.13.0+cpu" in by_uv and any(d.startswith("py-spy==") for d in by_uv), by_uv
+            assert by_uv == by_pip, (node.name, set(by_uv) ^ set(by_pip))
+    finally:
+        for node in sandbox_cluster.nodes:
+            ssh(sandbox_cluster, node.name, "rm -rf ~/.venvs/train-pip")
