@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
@@ -94,9 +95,14 @@ def spec_for(sb: sandbox.Sandbox, project: Path, wheels: Path, relay: bool) -> P
     return spec
 
 
-def cold_setup(n: int, project: Path, wheels: Path, relay: bool, env: dict[str, str], node_times: bool) -> dict:
+def cold_setup(
+    n: int, project: Path, wheels: Path, relay: bool, env: dict[str, str], node_times: bool
+) -> dict[str, Any]:
     label = f"{n} node(s), relay {'on' if relay else 'off'}"
-    say = lambda m: print(f"==> [{label}] {m}", flush=True)  # noqa: E731
+
+    def say(m: str) -> None:
+        print(f"==> [{label}] {m}", flush=True)
+
     sb = sandbox.up(name=NAME, n=n, subnet=SUBNET, say=say)
     try:
         spec = spec_for(sb, project, wheels, relay)
@@ -107,19 +113,19 @@ def cold_setup(n: int, project: Path, wheels: Path, relay: bool, env: dict[str, 
             wall = time.perf_counter() - t0
             ctl, bridge = counter.read() - c0, sandbox.bytes_sent(NAME) - b0
         tail = (p.stdout + p.stderr).strip().splitlines()[-1:] or [""]
-        say(f"cold setup: rc={p.returncode}, {wall:.1f}s, controller {ctl / MiB:.1f} MiB, bridge {bridge / MiB:.1f} MiB: "
-            f"{tail[0]}")  # fmt: skip
+        say(f"cold setup: rc={p.returncode}, {wall:.1f}s, controller {ctl / MiB:.1f} MiB, "
+            f"bridge {bridge / MiB:.1f} MiB: {tail[0]}")  # fmt: skip
         if p.returncode != 0:
             print(p.stderr[-3000:])
-        out = {"rc": p.returncode, "wall": wall, "controller": ctl, "bridge": bridge}
+        out: dict[str, Any] = {"rc": p.returncode, "wall": wall, "controller": ctl, "bridge": bridge}
         if node_times and p.returncode == 0:
-            out["install"] = install_times(sb, say)
+            out["install"] = install_times(sb)
         return out
     finally:
         sandbox.down(NAME)
 
 
-def install_times(sb: sandbox.Sandbox, say: object) -> dict[str, float]:
+def install_times(sb: sandbox.Sandbox) -> dict[str, float]:
     """Node-side seconds to install torch and numpy into a fresh venv from the staged wheelhouse."""
     wh = "~/.nodeops/python_env/wheelhouse"
     commands = {
@@ -172,12 +178,14 @@ def main() -> int:
     print("\ngoals (issue 29):")
     top = relayed[ns[-1]]
     ratio = top["controller"] / first["controller"]
-    print(f"  controller bytes, {ns[-1]} nodes vs {ns[0]}: {ratio:.2f}x (goal <= 1.2x) {'ok' if ratio <= 1.2 else 'MISSED'}")
+    verdict = "ok" if ratio <= 1.2 else "MISSED"
+    print(f"  controller bytes, {ns[-1]} nodes vs {ns[0]}: {ratio:.2f}x (goal <= 1.2x) {verdict}")
     base = relayed[base_n]["controller"]
     print(f"  relay vs no relay at {base_n} nodes (same run): {base / direct['controller']:.2f}x")
     if "install" in first:
         t = first["install"]
-        print(f"  node-side install of torch+numpy: uv {t['uv']:.1f}s, pip {t['pip']:.1f}s, uv/pip {t['uv'] / t['pip']:.2f}x")
+        ratio = t["uv"] / t["pip"]
+        print(f"  node-side install of torch+numpy: uv {t['uv']:.1f}s, pip {t['pip']:.1f}s, uv/pip {ratio:.2f}x")
     failed = [r for r in [*relayed.values(), direct] if r["rc"] != 0]
     return 1 if failed else 0
 
