@@ -32,6 +32,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -160,14 +161,21 @@ def main() -> int:
         print("this bench counts the controller's bytes with an iptables rule: run it as root, with iptables")
         return 2
     size = sum(w.stat().st_size for w in args.wheelhouse.glob("*.whl"))
-    env = dict(os.environ, NODEOPS_HOME=tempfile.mkdtemp(prefix="nodeops-traffic-home-"))
+    # SIGTERM ends like Ctrl-C: the sandbox, the counting rule and the temp dirs are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ns = sorted(args.nodes)
     base_n = ns[len(ns) // 2]
     with tempfile.TemporaryDirectory(prefix="nodeops-traffic-") as tmp:
         project = make_project(Path(tmp))
         work = sum(f.stat().st_size for f in project.rglob("*") if f.is_file())
-        relayed = {n: cold_setup(n, project, args.wheelhouse, True, env, node_times=n == ns[0]) for n in ns}
-        direct = cold_setup(base_n, project, args.wheelhouse, False, env, node_times=False)
+
+        def cold(n: int, relay: bool, node_times: bool) -> dict[str, Any]:
+            # a home of its own per run: no setup record carries over, every run is cold
+            home = Path(tmp) / f"home-{n}-{relay}"
+            return cold_setup(n, project, args.wheelhouse, relay, dict(os.environ, NODEOPS_HOME=str(home)), node_times)
+
+        relayed = {n: cold(n, True, node_times=n == ns[0]) for n in ns}
+        direct = cold(base_n, False, node_times=False)
     print(f"\ntraffic: wheelhouse {size / MiB:.0f} MiB, workdir {work / MiB:.1f} MiB; MiB sent during a cold setup")
     print(f"{'run':26} {'controller':>11} {'vs 1st':>7} {'bridge':>9} {'wall s':>7}")
     first = relayed[ns[0]]

@@ -161,8 +161,10 @@ def main():
     p = module.params
     target = p["target"]
     name = target.get("name") or target.get("address")
-    if not target.get("address"):
-        module.fail_json(msg="relay_sync: target needs an address")
+    for field in ("address", "user"):
+        value = str(target.get(field) or "")
+        if (field == "address" and not value) or value.startswith("-") or any(c.isspace() or c in "@/" for c in value):
+            module.fail_json(msg=f"relay_sync: target {name}: {field} {value!r} is not a host address or user name")
     if not os.path.isdir(p["src"]):
         module.warn(f"relay_sync: {p['src']} is not a directory here, so it was not passed on to {name}")
         module.exit_json(changed=False, relayed=False, transferred=0)

@@ -166,7 +166,8 @@ def inventory(loaded: LoadedSpec, environ: Mapping[str, str] | None) -> dict[str
         "nodeops_hostfile_hosts": [{"host": n.address, "slots": spec.nproc(n)} for n in ranked],
         "nodeops_system_packages": system_packages(spec),
         "nodeops_mesh_mode": spec.mesh.mode,
-        "nodeops_relay": spec.mesh.relay,
+        # on Slurm, setup sets up no mesh (backends.slurm: setup_skips) to relay over
+        "nodeops_relay": spec.mesh.relay and not spec.on_slurm,
     }
     if spec.mesh.key_file:
         all_vars["nodeops_mesh_key_file"] = controller_path(spec.mesh.key_file, loaded.spec_dir)

@@ -288,8 +288,12 @@ def run_playbook(
             if name == "runner_on_start":
                 hr.task = data.get("task", "")
                 hr.in_play = True
-            elif name == "runner_on_ok" and diff and (data.get("res") or {}).get("changed"):
-                hr.diffs += unified_diffs(data.get("task", ""), (data.get("res") or {}).get("diff"))
+            elif name == "runner_on_ok":
+                res = data.get("res") or {}
+                if diff and res.get("changed"):
+                    hr.diffs += unified_diffs(data.get("task", ""), res.get("diff"))
+                # a module's own warnings (relay_sync: a node the chief could not reach)
+                hr.warnings += [f"{data.get('task', '')}: {w}" for w in res.get("warnings") or [] if isinstance(w, str)]
             elif name == "runner_on_failed":
                 said = f"{data.get('task', '')}: {_event_error(data.get('res') or {})}"
                 (hr.warnings if data.get("ignore_errors") else hr.errors).append(said)

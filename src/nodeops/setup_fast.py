@@ -285,15 +285,16 @@ def joins(run: Mapping[str, Mapping[str, str]], chief: str, mesh_mode: str, rela
       brings the connecting hosts; a connecting host that needs it (a new key) brings all;
     - python_env ends by comparing every node's Python and package versions with the others
       in the play: all take part, or a node reinstalled alone would only be compared with itself;
-    - with ``relay``, shared_path passes the workdir on from the chief, which must be in the play
-      (else the controller sends to each node).
+    - with ``relay`` (the workdir is rsynced), shared_path passes the workdir on from the chief,
+      which must be in the play (else the controller sends to each node).
     """
     mesh = [h for h, roles in run.items() if "ssh_mesh" in roles]
     connecting = list(run) if mesh_mode == "full" else [chief]
     if any("python_env" in roles for roles in run.values()) or set(mesh) & set(connecting):
         return list(run)
-    relayed = relay and any("shared_path" in roles for roles in run.values())
-    return connecting if mesh or relayed else []
+    if mesh:
+        return connecting
+    return [chief] if relay and any("shared_path" in roles for roles in run.values()) else []
 
 
 def recordable(wanted: Mapping[str, Mapping[str, str]], found: Probe) -> dict[str, dict[str, dict[str, str]]]:

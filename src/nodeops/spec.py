@@ -331,9 +331,9 @@ class PythonSpec(_Model):
     )
     installer: Literal["auto", "uv", "pip"] = Field(
         "auto",
-        description="Who installs the packages on the nodes: 'auto', uv where it can be installed (beside the env, "
-        "from the wheelhouse when one is given; put uv's wheel in it), pip where it cannot or where uv fails; 'uv': "
-        "setup fails without it; 'pip'. The env's packages are the same either way.",
+        description="Who installs the packages on the nodes: 'auto', uv with a wheelhouse (installed beside the env "
+        "from it: put uv's wheel there), pip without one (uv reads neither pip.conf nor PIP_* variables) or where uv "
+        "fails; 'uv': always uv, and setup fails without it; 'pip'. The env's packages are the same either way.",
     )
     py_spy: bool | None = Field(
         None,

@@ -509,3 +509,38 @@ def test_pip_and_uv_make_the_same_env(
     finally:
         for node in sandbox_cluster.nodes:
             ssh(sandbox_cluster, node.name, "rm -rf ~/.venvs/train-pip")
+
+
+def test_the_chief_passes_on_source_files_only_and_the_controller_sends_where_it_cannot(
+    sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
+) -> None:
+    """Issue 29: an edited workdir file goes from the controller to the chief, and from the chief
+    to the others; an output a job wrote on the chief stays there. node3 no longer lets the
+    chief in (its ssh_mesh block is gone from authorized_keys): setup warns, naming node3 and
+    ssh's reason, and the controller sends node3 the file itself."""
+    sb = sandbox_cluster
+    env = {"NODEOPS_IT_SECRET": SECRET}
+    train = project / "train.py"
+    original = train.read_text()
+    drop_block = "sed -i '/^# BEGIN nodeops ssh_mesh /,/^# END nodeops ssh_mesh /d' ~/.ssh/authorized_keys"
+    try:
+        assert ssh(sb, "node1", f"echo chief-only > {WORKDIR}/relay-output.txt").returncode == 0
+        assert ssh(sb, "node3", drop_block).returncode == 0
+        train.write_text(original + "# relayed\n")
+        p = setup(project / "cluster.yaml", "--tags", "shared_path", env=env)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = run_stdout(p.stderr)
+        assert task_results(out, "Pass the source on from the relay host") == {"node2": "changed", "node3": "ok"}
+        assert task_results(out, "Copy the source from the controller where the relay could not") == {
+            "node2": "skipping", "node3": "changed"}  # fmt: skip
+        said = " ".join(p.stderr.split())
+        assert re.search(r"node3: warning: Pass the source on from the relay host: relay_sync: could not pass "
+                         r"\S+ on to node3 \(rsync exit \d+\): .*Permission denied", said), said[-3000:]  # fmt: skip
+        for node in ("node2", "node3"):
+            assert ssh(sb, node, f"tail -1 {WORKDIR}/train.py").stdout == "# relayed\n", node
+            assert ssh(sb, node, f"test -e {WORKDIR}/relay-output.txt").returncode == 1, node
+    finally:
+        train.write_text(original)
+        ssh(sb, "node1", f"rm -f {WORKDIR}/relay-output.txt")
+        p = setup(project / "cluster.yaml", env=env)  # puts the block back, and train.py
+        assert p.returncode == 0, p.stderr[-3000:]

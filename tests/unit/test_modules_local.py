@@ -75,7 +75,9 @@ def test_deepspeed_env_file_writes_the_hostfile_and_every_dir_in_one_call(tmp_pa
 
 
 FAKE_SSH = """#!/bin/sh
-# ssh for relay_sync's tests: drops ssh's options and the host, runs the command here.
+# ssh for relay_sync's tests: notes its arguments, drops ssh's options and the host, runs the
+# command here.
+printf '%s\\n' "$@" > "$SSH_ARGV_OUT"
 while [ $# -gt 0 ]; do case "$1" in -i|-p|-o|-l) shift 2;; -*) shift;; *) break;; esac; done
 shift
 exec sh -c "$*"
@@ -90,6 +92,7 @@ def test_relay_sync_passes_on_the_listed_files_only(tmp_path: Path, monkeypatch:
     (bindir / "ssh").write_text(FAKE_SSH)
     (bindir / "ssh").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SSH_ARGV_OUT", str(tmp_path / "ssh-argv"))
     relay, target = tmp_path / "relay dir", tmp_path / "target"
     (relay / "data").mkdir(parents=True)
     (relay / "train.py").write_text("print('x')\n")
@@ -108,6 +111,12 @@ def test_relay_sync_passes_on_the_listed_files_only(tmp_path: Path, monkeypatch:
         "data/it's.json",
         "train.py",
     ]
+    argv = (tmp_path / "ssh-argv").read_text().splitlines()
+    # the mesh key, the node's port, never a prompt, and only a host key already pinned
+    assert argv[:12] == ["-i", str(tmp_path / "no key"), "-p", "2222", "-o", "BatchMode=yes",
+                         "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=30",
+                         "-o", "ServerAliveInterval=15"], argv  # fmt: skip
+    assert argv[12] == "10.0.0.2", argv
     again = play(tmp_path, [task, show])
     assert again.returncode == 0 and re.search(r"localhost\s*: ok=2\s+changed=0", again.stdout), again.stdout
 

@@ -239,6 +239,7 @@ def test_roles_that_span_hosts_bring_the_others() -> None:
     # the chief passes the workdir on: it takes part (its own copy is checked, not redone)
     assert setup_fast.joins({**three, "node3": {"shared_path": "x"}}, "node1", "chief") == []
     assert setup_fast.joins({**three, "node3": {"shared_path": "x"}}, "node1", "chief", relay=True) == ["node1"]
+    assert setup_fast.joins({**three, "node3": {"shared_path": "x"}}, "node1", "full", relay=True) == ["node1"]
 
 
 def test_a_damaged_record_is_as_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

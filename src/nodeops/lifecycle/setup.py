@@ -118,11 +118,9 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
                                  time.monotonic() - started, ansible=False)  # fmt: skip
             for h in need:
                 sink.note(f"    {h}: " + "; ".join(f"{role}: {why}" for role, why in run[h].items()))
-            joined = [
-                h
-                for h in setup_fast.joins(run, chief, loaded.spec.mesh.mode, relay=loaded.spec.mesh.relay)
-                if h not in need
-            ]
+            wd = loaded.spec.workdir
+            relay = inv["all"]["vars"]["nodeops_relay"] and wd is not None and wd.sync == "rsync"
+            joined = [h for h in setup_fast.joins(run, chief, loaded.spec.mesh.mode, relay=relay) if h not in need]
             limited = [h for h in by_name if h in need or h in joined]
             probed = [h for h in by_name if h not in limited]
             tags = [r for r in ROLE_TAGS if any(r in why for why in run.values())]
