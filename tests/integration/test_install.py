@@ -83,7 +83,7 @@ def test_roles_build_as_a_collection(tmp_path: Path) -> None:
                                                     "templates/sandbox", "pyproject.toml"))]  # fmt: skip
     assert not [n for n in names if "/molecule/" in n or "__pycache__" in n]
     modules = sorted(Path(n).stem for n in names if n.startswith("plugins/modules/") and n.endswith(".py"))
-    assert modules == ["deepspeed_env_file", "nccl_env_files", "python_env_state", "shared_path_state",
+    assert modules == ["deepspeed_env_file", "nccl_env_files", "python_env_state", "relay_sync", "shared_path_state",
                        "ssh_mesh_blocks", "ssh_mesh_check", "ssh_mesh_key"]  # fmt: skip
     # Installed where an infra repo installs it: every module documents itself, and a playbook
     # that uses a role by its FQCN resolves the role's modules (the bug: short names from library/)
