@@ -482,33 +482,34 @@ def test_pip_and_uv_make_the_same_env(
     sandbox_cluster: sandbox.Sandbox, project: Path, first_run: subprocess.CompletedProcess[str], tmp_path: Path
 ) -> None:
     """Issue 29: the first setup installed with uv (installer: auto, uv's wheel is in the
-    wheelhouse); the same spec with installer: pip into another venv gives every node the same
-    packages at the same versions, and the parity check across nodes passes on both."""
+    wheelhouse). The same packages installed by setup into two fresh venvs, one with
+    installer: uv and one with installer: pip, give every node the same packages at the same
+    versions, and the parity check across nodes passes on both. (Fresh venvs: other tests add
+    packages to the session's ~/.venvs/train, DeepSpeed for one.)"""
     out = run_stdout(first_run.stderr)
     assert set(task_results(out, "Install the packages with uv").values()) == {"changed"}
     assert set(task_results(out, "Install the packages with pip").values()) == {"skipping"}
-    text = (
-        (project / "cluster.yaml")
-        .read_text()
-        .replace("venv: ~/.venvs/train", "venv: ~/.venvs/train-pip\n  installer: pip", 1)
-    )
-    spec = tmp_path / "pip.yaml"
-    spec.write_text(text)
+    text = (project / "cluster.yaml").read_text()
+    freeze = "~/.venvs/{}/bin/python -m pip list --format=freeze --disable-pip-version-check"
     try:
-        p = setup(spec, "--tags", "python_env", env={"NODEOPS_IT_SECRET": SECRET})
-        assert p.returncode == 0, p.stderr[-3000:]
-        pip_out = run_stdout(p.stderr)
-        assert set(task_results(pip_out, "Install the packages with pip").values()) == {"changed"}
-        assert set(task_results(pip_out, "Install the packages with uv").values()) == {"skipping"}
-        freeze = "~/.venvs/{}/bin/python -m pip list --format=freeze --disable-pip-version-check"
+        for installer, used, unused in (("uv", "uv", "pip"), ("pip", "pip", "uv")):
+            spec = tmp_path / f"{installer}.yaml"
+            spec.write_text(
+                text.replace("venv: ~/.venvs/train", f"venv: ~/.venvs/it-{installer}\n  installer: {installer}", 1)
+            )
+            p = setup(spec, "--tags", "python_env", env={"NODEOPS_IT_SECRET": SECRET})
+            assert p.returncode == 0, p.stderr[-3000:]
+            got = run_stdout(p.stderr)
+            assert set(task_results(got, f"Install the packages with {used}").values()) == {"changed"}, installer
+            assert set(task_results(got, f"Install the packages with {unused}").values()) == {"skipping"}, installer
         for node in sandbox_cluster.nodes:
-            by_uv = ssh(sandbox_cluster, node.name, freeze.format("train")).stdout.split()
-            by_pip = ssh(sandbox_cluster, node.name, freeze.format("train-pip")).stdout.split()
+            by_uv = ssh(sandbox_cluster, node.name, freeze.format("it-uv")).stdout.split()
+            by_pip = ssh(sandbox_cluster, node.name, freeze.format("it-pip")).stdout.split()
             assert "torch==2.13.0+cpu" in by_uv and any(d.startswith("py-spy==") for d in by_uv), by_uv
             assert by_uv == by_pip, (node.name, set(by_uv) ^ set(by_pip))
     finally:
         for node in sandbox_cluster.nodes:
-            ssh(sandbox_cluster, node.name, "rm -rf ~/.venvs/train-pip")
+            ssh(sandbox_cluster, node.name, "rm -rf ~/.venvs/it-uv ~/.venvs/it-pip")
 
 
 def test_the_chief_passes_on_source_files_only_and_the_controller_sends_where_it_cannot(
