@@ -29,6 +29,7 @@ from nodeops import check_rules, failures, probe
 from nodeops import deepspeed as ds
 from nodeops import slurm_failures as SF
 from nodeops.errors import NodeopsError
+from nodeops.launch import mpi_split
 from nodeops.launch import recovery as R
 from nodeops.launch import slurm_watch as W
 from nodeops.quoting import sh_path, sh_run_word, sh_word
@@ -442,6 +443,7 @@ class Follower:
         self.offsets: dict[str, int] = {}
         self.tails: dict[str, deque[str]] = {}
         self.partial: dict[str, str] = {}  # a line a read ended inside of, until its end comes
+        self.joined: dict[str, mpi_split.RankLines] = {}  # torchrun's tee can cut a rank's line in two
 
     def step(self, whole: bool = False) -> Poll:
         """One poll; with ``whole``, as many as it takes to reach the end of every log (a full
@@ -453,9 +455,16 @@ class Follower:
         if whole:
             for name, rest in sorted(self.partial.items()):
                 if rest:
-                    self._line(host_of(name), rest)
+                    self._physical(name, rest)
             self.partial.clear()
+            for name, joined in sorted(self.joined.items()):
+                for line in joined.flush():
+                    self._line(host_of(name), line)
         return st
+
+    def _physical(self, name: str, line: str) -> None:
+        for whole in self.joined.setdefault(name, mpi_split.RankLines()).feed(line):
+            self._line(host_of(name), whole)
 
     def _line(self, host: str, line: str) -> None:
         self.tails.setdefault(host, deque(maxlen=failures.TAIL_LINES)).append(line)
@@ -469,11 +478,12 @@ class Follower:
                 continue
             if off < self.offsets.get(name, 0):
                 self.partial.pop(name, None)  # the file was truncated: it is read again from its start
+                self.joined.pop(name, None)
             self.offsets[name] = off + nbytes
             lines = (self.partial.pop(name, "") + text).split("\n")
             self.partial[name] = lines.pop()  # '' after a newline; else the start of a line
             for line in lines:
-                self._line(host_of(name), line.removesuffix("\r"))
+                self._physical(name, line.removesuffix("\r"))
         return st
 
     def until_end(self, interval: float = 0.5, on_poll: Callable[[Poll], None] | None = None,

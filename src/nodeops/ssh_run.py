@@ -106,7 +106,7 @@ def read_logs(job: Job, current: bool = True) -> dict[str, list[str]]:
     def one(host: str) -> list[str]:
         p = subprocess.run(ssh_argv(job.ssh_config, host, script), capture_output=True, text=True, timeout=60,
                            check=False, errors="replace")  # fmt: skip
-        return p.stdout.splitlines()
+        return mpi_split.rank_lines(p.stdout.splitlines())
 
     return {h: lines for h, lines in fan_out(job.kill_hosts, one).items() if lines}
 
@@ -328,8 +328,12 @@ def follow(
                              stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)  # fmt: skip
         procs[host] = p
         assert p.stdout is not None and p.stderr is not None
+        joined = mpi_split.RankLines()  # torchrun's tee can cut a rank's line in two
         for line in p.stdout:
-            events.put((host, line.rstrip("\n")))
+            for whole in joined.feed(line.rstrip("\n")):
+                events.put((host, whole))
+        for whole in joined.flush():
+            events.put((host, whole))
         rc = p.wait()
         err = p.stderr.read().strip().splitlines()
         if rc != 0:

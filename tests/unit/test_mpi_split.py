@@ -128,3 +128,52 @@ def test_lines_reassembles_any_interleaving_of_rank_pieces(writes: list[tuple[in
             current = ""
     lines = mpi_split.Lines()
     assert [item for line in physical for item in lines.feed(line)] == expected
+
+
+chunks = st.text(st.characters(blacklist_characters="\n\r[", blacklist_categories=("Cs",)), min_size=1, max_size=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), chunks, st.booleans()), max_size=30))
+def test_rank_lines_reassembles_torchruns_tee_of_lines_written_in_pieces(
+    writes: list[tuple[int, str, bool]],
+) -> None:
+    """torchrun's tee echoes each rank's log by readline, so a line the rank is still writing
+    (unbuffered Python writes a print's text and its newline apart) comes out as its start with
+    the rank's prefix and no newline; the next write, of any rank, follows on the same physical
+    line. RankLines gives every rank's lines back whole, in order."""
+    physical: list[str] = []
+    expected: list[str] = []
+    current, partial = "", {}
+    for rank, chunk, ends in writes:
+        current += f"[rank{rank}]:{chunk}"
+        partial[rank] = partial.get(rank, "") + chunk
+        if ends:
+            physical.append(current)
+            expected.append(f"[rank{rank}]:{partial.pop(rank)}")
+            current = ""
+    joined = mpi_split.RankLines()
+    assert [w for line in physical for w in joined.feed(line)] == expected
+
+
+def test_rank_lines_joins_the_cut_line_ci_saw_and_leaves_other_lines_alone() -> None:
+    # the physical lines of a CI run (torch 2.13): rank 2's print cut in two by the tee
+    out = mpi_split.rank_lines([
+        "[rank2]:rank 2 restart 1 attempt 2[rank2]:",
+        "[rank2]:rank 2 done",
+        # torch's own prefixed warning, echoed with the tee's prefix: one line, as it came
+        "[rank0]:[rank0]:[W1125 16:00:04.674000 ProcessGroupGloo.cpp:42] Warning: x",
+        # torchrun's own lines are not tagged and may quote a rank's: never split
+        "E1125 16:00:04 api.py:1002] failed [rank2]: exitcode 1",
+        "nodeops: srun exited 0",
+        "[rank1]:a piece with no end[rank3]:b",  # rank 1 died mid-line: its piece comes at the end
+    ])  # fmt: skip
+    assert out == [
+        "[rank2]:rank 2 restart 1 attempt 2",
+        "[rank2]:rank 2 done",
+        "[rank0]:[rank0]:[W1125 16:00:04.674000 ProcessGroupGloo.cpp:42] Warning: x",
+        "E1125 16:00:04 api.py:1002] failed [rank2]: exitcode 1",
+        "nodeops: srun exited 0",
+        "[rank3]:b",
+        "[rank1]:a piece with no end",
+    ]

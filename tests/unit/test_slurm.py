@@ -461,6 +461,20 @@ def test_a_truncated_log_is_read_again_from_its_start(fake_slurm: Path) -> None:
     assert list(fol.tails["node1"]) == ["one", "two", "three", "new"]
 
 
+def test_a_rank_line_torchruns_tee_cut_in_two_is_followed_whole(fake_slurm: Path) -> None:
+    # what a CI run's node log held: rank 2's print cut by the tee, with rank 3's line between
+    d = fake_slurm / "home" / ".nodeops" / "runs" / "r7" / "logs"
+    d.mkdir(parents=True)
+    (d / "node2.log").write_text("[rank2]:attempt 2[rank3]:three\n[rank2]:\n[rank2]:done\n[rank2]:no end")
+    got: list[tuple[str, str]] = []
+    fol = slurm.Follower(slurm.Login(None), "r7", "4242", lambda host, line: got.append((host, line)))
+    fol.step()
+    assert got == [("node2", "[rank3]:three"), ("node2", "[rank2]:attempt 2"), ("node2", "[rank2]:done")]
+    fol.step(whole=True)  # the end: the last line, though it has no newline
+    assert got[-1] == ("node2", "[rank2]:no end")
+    assert list(fol.tails["node2"]) == [line for _, line in got]
+
+
 def test_ctrl_c_while_sbatch_runs_still_records_the_job_and_cancels_it(
     fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,10 +21,12 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TextIO
 
 TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
+# torchrun's prefix of each rank's lines (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, set by nodeops)
+RANK = re.compile(r"\[rank(\d+)\]:")
 # mpirun's report of the first rank that failed ("Process name: [[job,1],R]" ... "Exit code: N"),
 # or of one that a signal ended ("... process rank R with PID P on node N exited on signal S")
 FIRST = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
@@ -37,20 +39,39 @@ MAX_LINE = 1 << 20  # bytes without a newline that are written out as a line any
 FAILURE = re.compile(r"nodeops: mpirun: first failure: rank (\d+) on (\S+) \(exit code (-?\d+)\)")
 
 
-def pieces(line: str) -> tuple[str, list[tuple[int, str]]]:
-    """Open MPI's --tag-output pieces of one physical line: the untagged text before the first
-    tag, and (rank, text) for each tagged piece."""
-    parts = TAG.split(line)
-    return parts[0], [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
+def pieces(line: str, tag: re.Pattern[str] = TAG, glued: bool = False) -> tuple[str, list[tuple[int, str]]]:
+    """The tagged pieces of one physical line: the untagged text before the first tag, and
+    (rank, text) for each tagged piece. With ``glued`` (torchrun's tee, which never writes an
+    empty piece) a tag right after a tag is the piece's text: "[rank0]:[rank0]:[W..." is rank
+    0's "[rank0]:[W..." (torch prefixes its own warnings so)."""
+    marks = list(tag.finditer(line))
+    if not marks:
+        return line, []
+    out: list[tuple[int, str]] = []
+    i = 0
+    while i < len(marks):
+        m, j = marks[i], i + 1
+        while glued and j < len(marks) and marks[j].start() == m.end():
+            j += 1
+        out.append((int(m.group(1)), line[m.end() : marks[j].start() if j < len(marks) else len(line)]))
+        i = j
+    return line[: marks[0].start()], out
 
 
 class Lines:
-    """Open MPI tags every chunk a rank writes, so one physical line can hold the pieces of
-    several ranks' lines ("[1,1]<stdout>:a[1,0]<stdout>:b"); the newline that ends the physical
-    line belongs to its last piece. ``feed`` gives back whole lines: (None, text) for mpirun's
-    own (untagged) text, (rank, text) for a rank's line."""
+    """A tagged writer tags every chunk a rank writes, so one physical line can hold the pieces
+    of several ranks' lines ("[1,1]<stdout>:a[1,0]<stdout>:b"); the newline that ends the
+    physical line belongs to its last piece. Open MPI's --tag-output does this (``tag``
+    :data:`TAG`), and so does torchrun's tee (:data:`RANK`): it echoes a rank's log file by
+    ``readline``, which returns the start of a line the rank is still writing (unbuffered
+    Python writes a print's text and its newline apart), so "[rank2]:text[rank2]:" and then the
+    next line. ``feed`` gives back whole lines: (None, text) for the writer's own (untagged)
+    text, (rank, text) for a rank's line. With ``leading`` (torchrun) only a line that starts
+    with a tag is split (torchrun's own lines are not tagged, and may quote a rank's), and a tag
+    right after a tag is text (:func:`pieces`, ``glued``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tag: re.Pattern[str] = TAG, leading: bool = False) -> None:
+        self.tag, self.leading = tag, leading
         self.pending: dict[int, str] = {}
 
     def flush(self) -> list[tuple[int | None, str]]:
@@ -60,8 +81,8 @@ class Lines:
         return out
 
     def feed(self, line: str) -> list[tuple[int | None, str]]:
-        head, parts = pieces(line)
-        if not parts:
+        head, parts = pieces(line, self.tag, glued=self.leading)
+        if not parts or (self.leading and head):
             return [(None, line)]
         out: list[tuple[int | None, str]] = [(None, head)] if head else []
         for n, (rank, text) in enumerate(parts):
@@ -69,6 +90,30 @@ class Lines:
             if n == len(parts) - 1:
                 out.append((rank, self.pending.pop(rank)))
         return out
+
+
+class RankLines:
+    """torchrun's rank lines (``[rankN]:text``) made whole again, one host's output at a time
+    (:class:`Lines` with :data:`RANK`); any other line passes as it is."""
+
+    def __init__(self) -> None:
+        self.lines = Lines(RANK, leading=True)
+
+    @staticmethod
+    def _text(rank: int | None, text: str) -> str:
+        return text if rank is None else f"[rank{rank}]:{text}"
+
+    def feed(self, line: str) -> list[str]:
+        return [self._text(r, t) for r, t in self.lines.feed(line)]
+
+    def flush(self) -> list[str]:
+        return [self._text(r, t) for r, t in self.lines.flush()]
+
+
+def rank_lines(lines: Iterable[str]) -> list[str]:
+    """A whole log's lines with torchrun's rank lines made whole (:class:`RankLines`)."""
+    joined = RankLines()
+    return [whole for line in lines for whole in joined.feed(line)] + joined.flush()
 
 
 def first_failure(text: str) -> tuple[int, int | None] | None:
