@@ -6,6 +6,7 @@ or an editable install they are the top-level directories beside ``src/``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from functools import cache
 from pathlib import Path
@@ -33,15 +34,18 @@ def collection_root() -> Path:
 
 
 def collections_path(base: Path) -> Path:
-    """``base`` as an Ansible collections path that holds nodeops.cluster (a symlink to the
-    shipped collection, replaced atomically when it points elsewhere): the CLI's runs, molecule
-    and the tests resolve ``nodeops.cluster.*`` through it, from the one source tree."""
-    link = base / "ansible_collections" / "nodeops" / "cluster"
+    """An Ansible collections path under ``base`` that holds nodeops.cluster: a symlink to the
+    shipped collection, replaced atomically when it points elsewhere. The CLI's runs, molecule
+    and the tests resolve ``nodeops.cluster.*`` through it. Each source tree (or installed
+    package) gets its own dir, ``base/<hash of its path>``: two trees used at once under one
+    home (a clone beside a checkout) never turn the other's link away mid-play."""
     target = str(collection_root())
+    root = base / hashlib.sha256(target.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    link = root / "ansible_collections" / "nodeops" / "cluster"
     if not (link.is_symlink() and os.readlink(link) == target):
         link.parent.mkdir(parents=True, exist_ok=True)
         tmp = link.with_name(f".cluster-{os.getpid()}")
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(target)
         os.replace(tmp, link)
-    return base
+    return root

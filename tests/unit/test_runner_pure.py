@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import runner
+from nodeops import resources, runner
 
 
 @pytest.mark.parametrize(
@@ -172,3 +172,19 @@ def test_event_error_of_a_loop_names_only_the_failed_items() -> None:
         {"failed": True, "msg": "shared_path: shared_path_path must be absolute (got 'x')"},
     ]}  # fmt: skip
     assert _event_error(res) == "shared_path: shared_path_path must be absolute (got 'x')"
+
+
+def test_each_source_tree_gets_its_own_collection_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Two trees under one home (a clone beside a checkout, CI's rehearsal beside the work) once
+    # shared one link and turned it to and fro, failing the other's play mid-run.
+    mine = resources.collections_path(tmp_path)
+    assert (mine / "ansible_collections/nodeops/cluster").resolve() == resources.collection_root().resolve()
+    other = tmp_path / "other-tree"
+    (other / "roles").mkdir(parents=True)
+    monkeypatch.setattr(resources, "collection_root", lambda: other)
+    theirs = resources.collections_path(tmp_path)
+    assert theirs != mine and theirs.parent == mine.parent == tmp_path
+    assert (theirs / "ansible_collections/nodeops/cluster").resolve() == other.resolve()
+    monkeypatch.undo()
+    assert resources.collections_path(tmp_path) == mine  # the first link was never touched
+    assert (mine / "ansible_collections/nodeops/cluster").resolve() == resources.collection_root().resolve()
