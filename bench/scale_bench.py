@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -147,10 +148,12 @@ def main() -> int:
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     ap.add_argument("--torch-wheelhouse", type=Path, help="a wheelhouse holding torch: also time launch")
     args = ap.parse_args()
-    env = dict(os.environ, NODEOPS_HOME=tempfile.mkdtemp(prefix="nodeops-scale-home-"))
+    # SIGTERM ends like Ctrl-C: the sandbox and the temp dir (the home included) are removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     results: dict[int, dict[str, Step | None]] = {}
     with tempfile.TemporaryDirectory(prefix="nodeops-scale-") as tmp:
         work = Path(tmp)
+        env = dict(os.environ, NODEOPS_HOME=str(work / "home"))  # its own: the user's setup records stay out
         wheels = make_project(work, args.torch_wheelhouse)
         for n in args.nodes:
             results[n] = run_n(n, work, wheels, args.torch_wheelhouse is not None, env)
