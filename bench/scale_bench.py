@@ -59,6 +59,7 @@ class Step:
     rc: int
     tail: str
     stdout: str = ""
+    stderr: str = ""
 
 
 def timed(argv: list[str], env: dict[str, str]) -> Step:
@@ -69,7 +70,7 @@ def timed(argv: list[str], env: dict[str, str]) -> Step:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     lines = (p.stdout + p.stderr).strip().splitlines()
-    return Step(wall, cpu, p.returncode, lines[-1] if lines else "", p.stdout)
+    return Step(wall, cpu, p.returncode, lines[-1] if lines else "", p.stdout, p.stderr)
 
 
 def check_verdict(step: Step, torch: bool) -> tuple[int, str]:
@@ -132,6 +133,10 @@ def run_n(n: int, work: Path, wheels: Path, torch: bool, env: dict[str, str]) ->
             if label == "check":
                 s.rc, s.tail = check_verdict(s, torch)
             say(f"{label}: {s.wall:.1f}s wall, {s.cpu:.1f}s controller CPU, rc={s.rc}: {s.tail}")
+            # why a setup ran Ansible where the fast path had nothing to do, and the probe's notes
+            for line in s.stderr.splitlines() if label != "check" else ():
+                if line.startswith(("note:", "warning:", "    ")) and "setup --full" not in line:
+                    say(f"  {line.strip()}")
         if torch:
             say("launch")
             out["launch"] = s = timed([*NODEOPS, "launch", str(spec), "--no-check", "--", "train.py"], env)

@@ -148,13 +148,20 @@ def run_dir(run_id: str) -> str:
     return f"@@HOME@@/.nodeops/runs/{run_id}"
 
 
+# torchrun's prefix of each rank's echoed lines. It starts with an ASCII record separator, which
+# no one prints: torchrun's tee can cut a rank's line in two (it echoes the start of a line the
+# rank is still writing), and only this mark tells its cuts from a rank's own "[rank3]:" text.
+# Readers make the lines whole and show them as "[rankN]:" (nodeops.launch.mpi_split.RankLines).
+RANK_PREFIX = "\x1e[rank${rank}]:"
+
+
 def job_env(runner: str, env: Mapping[str, str], rdir: str) -> dict[str, str]:
     """What job.sh exports on a host beyond the env files setup wrote: the plan's env, the run
     dir, and for torchrun its per-rank log files (the guard reads failures from them)."""
     out = {**env, "NODEOPS_RUN_DIR": rdir}
     if runner == "torchrun":
         out.update({"PET_LOG_DIR": f"{rdir}/ranks", "PET_TEE": "3",
-                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"})  # fmt: skip
+                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_PREFIX})  # fmt: skip
     return out
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from nodeops import check_rules, failures, probe
 from nodeops import deepspeed as ds
 from nodeops import slurm_failures as SF
+from nodeops._launch_plan import RANK_PREFIX
 from nodeops.errors import NodeopsError
 from nodeops.launch import mpi_split
 from nodeops.launch import recovery as R
@@ -143,7 +144,7 @@ def batch_script(loaded: LoadedSpec) -> str:
     login = spec.login_node() or spec.chief
     signals = DEFAULT_SIGNALS + (f",SIG{s.signal.name}" if s.signal and s.signal.name not in ("TERM", "INT") else "")
     extra = "" if s.signal is None else f" --signals-to-handle={signals}"
-    env = {"PYTHONUNBUFFERED": "1", "PET_TEE": "3", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
+    env = {"PYTHONUNBUFFERED": "1", "PET_TEE": "3", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_PREFIX}
     j = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
                            keep_trailing_newline=True)  # fmt: skip
     j.filters["sh_run_word"] = sh_run_word
@@ -478,7 +479,8 @@ class Follower:
                 continue
             if off < self.offsets.get(name, 0):
                 self.partial.pop(name, None)  # the file was truncated: it is read again from its start
-                self.joined.pop(name, None)
+                for line in self.joined.pop(name, mpi_split.RankLines()).flush():
+                    self._line(host_of(name), line)
             self.offsets[name] = off + nbytes
             lines = (self.partial.pop(name, "") + text).split("\n")
             self.partial[name] = lines.pop()  # '' after a newline; else the start of a line

@@ -58,7 +58,9 @@ _SRUN_RUNNING = re.compile(r"^srun: StepId=\S+ tasks? ([0-9,-]+): running")
 
 def last_run(lines: Sequence[str]) -> list[str]:
     """A log's lines from the last run on: after the last requeue's or restart's mark (the whole
-    log when the job never started again)."""
+    log when the job never started again), with torchrun's rank lines made whole
+    (:class:`mpi_split.RankLines`)."""
+    lines = mpi_split.rank_lines(lines)
     starts = [i for i, line in enumerate(lines) if line.startswith((RESTART_MARK, ATTEMPT_MARK))]
     return list(lines[starts[-1] + 1 :] if starts else lines)
 

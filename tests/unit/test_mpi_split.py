@@ -4,13 +4,16 @@ same Lines). The shipped file is run as the batch script runs it: python3, stdin
 
 from __future__ import annotations
 
+import string
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nodeops import _launch_plan
 from nodeops import slurm_failures as SF
 from nodeops.launch import mpi_split
 
@@ -130,7 +133,15 @@ def test_lines_reassembles_any_interleaving_of_rank_pieces(writes: list[tuple[in
     assert [item for line in physical for item in lines.feed(line)] == expected
 
 
-chunks = st.text(st.characters(blacklist_characters="\n\r[", blacklist_categories=("Cs",)), min_size=1, max_size=20)
+M = "\x1e"  # the mark before torchrun's "[rankN]:" (_launch_plan.RANK_PREFIX)
+chunks = st.text(st.characters(blacklist_characters="\n\x1e", blacklist_categories=("Cs",)), min_size=1, max_size=20)
+
+
+def test_the_mark_readers_look_for_is_the_prefix_torchrun_is_given() -> None:
+    prefix = string.Template(_launch_plan.RANK_PREFIX).substitute(rank=3)
+    assert mpi_split.RANK.fullmatch(prefix) and prefix.startswith(M)
+    env = _launch_plan.job_env("torchrun", {}, "/r")
+    assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == _launch_plan.RANK_PREFIX
 
 
 @settings(max_examples=300, deadline=None)
@@ -141,39 +152,64 @@ def test_rank_lines_reassembles_torchruns_tee_of_lines_written_in_pieces(
     """torchrun's tee echoes each rank's log by readline, so a line the rank is still writing
     (unbuffered Python writes a print's text and its newline apart) comes out as its start with
     the rank's prefix and no newline; the next write, of any rank, follows on the same physical
-    line. RankLines gives every rank's lines back whole, in order."""
+    line. RankLines gives every rank's lines back whole, in order, whatever the ranks' text
+    holds (their own "[rank1]:" included), and at the end the pieces still waiting."""
     physical: list[str] = []
     expected: list[str] = []
-    current, partial = "", {}
+    current, pieces, fed = "", [], {}  # fed: the pieces read of lines not ended yet
     for rank, chunk, ends in writes:
-        current += f"[rank{rank}]:{chunk}"
-        partial[rank] = partial.get(rank, "") + chunk
-        if ends:
+        current += f"{M}[rank{rank}]:{chunk}"
+        pieces.append((rank, chunk))
+        if ends:  # the physical line ends with this rank's newline: it is read
             physical.append(current)
-            expected.append(f"[rank{rank}]:{partial.pop(rank)}")
-            current = ""
+            for r, text in pieces[:-1]:
+                fed[r] = fed.get(r, "") + text
+            expected.append(f"[rank{rank}]:{fed.pop(rank, '')}{chunk}")
+            current, pieces = "", []
     joined = mpi_split.RankLines()
     assert [w for line in physical for w in joined.feed(line)] == expected
+    assert joined.flush() == [f"[rank{r}]:{t}" for r, t in fed.items()]
 
 
 def test_rank_lines_joins_the_cut_line_ci_saw_and_leaves_other_lines_alone() -> None:
-    # the physical lines of a CI run (torch 2.13): rank 2's print cut in two by the tee
     out = mpi_split.rank_lines([
-        "[rank2]:rank 2 restart 1 attempt 2[rank2]:",
-        "[rank2]:rank 2 done",
-        # torch's own prefixed warning, echoed with the tee's prefix: one line, as it came
-        "[rank0]:[rank0]:[W1125 16:00:04.674000 ProcessGroupGloo.cpp:42] Warning: x",
-        # torchrun's own lines are not tagged and may quote a rank's: never split
+        # a CI run's node log (torch 2.13): rank 2's print cut in two by the tee
+        f"{M}[rank2]:rank 2 restart 1 attempt 2{M}[rank2]:",
+        f"{M}[rank2]:rank 2 done",
+        # a rank's own text that looks like the prefix, and torch's own prefixed warning: as they came
+        f"{M}[rank0]:12:00 INFO [rank0]: loss 3.1 from [rank3]: ok",
+        f"{M}[rank0]:[rank0]:[W1125 16:00:04.674000 ProcessGroupGloo.cpp:42] Warning: x",
+        # torchrun's own lines and mpirun's whole rank lines (no mark) pass as they are
         "E1125 16:00:04 api.py:1002] failed [rank2]: exitcode 1",
-        "nodeops: srun exited 0",
-        "[rank1]:a piece with no end[rank3]:b",  # rank 1 died mid-line: its piece comes at the end
+        "[rank1]:an mpirun rank's line",
+        f"{M}[rank1]:a piece{M}[rank3]:b",
+        f"{M}[rank3]:c{M}[rank1]: and its end",
+        # rank 3 dies mid-line; nodeops' mark of the next attempt gives its piece back first
+        f"{M}[rank3]:cut short{M}[rank0]:zero",
+        "==> nodeops: attempt 2/2 on node1,node3",
+        f"{M}[rank3]:attempt 2",
+        f"{M}[rank0]:the end, with no newline",
     ])  # fmt: skip
     assert out == [
         "[rank2]:rank 2 restart 1 attempt 2",
         "[rank2]:rank 2 done",
+        "[rank0]:12:00 INFO [rank0]: loss 3.1 from [rank3]: ok",
         "[rank0]:[rank0]:[W1125 16:00:04.674000 ProcessGroupGloo.cpp:42] Warning: x",
         "E1125 16:00:04 api.py:1002] failed [rank2]: exitcode 1",
-        "nodeops: srun exited 0",
+        "[rank1]:an mpirun rank's line",
         "[rank3]:b",
-        "[rank1]:a piece with no end",
+        "[rank1]:a piece and its end",
+        "[rank0]:zero",
+        "[rank3]:ccut short",
+        "==> nodeops: attempt 2/2 on node1,node3",
+        "[rank3]:attempt 2",
+        "[rank0]:the end, with no newline",
     ]
+
+
+def test_a_piece_that_never_ends_is_given_back_past_max_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mpi_split, "MAX_LINE", 8)
+    joined = mpi_split.RankLines()
+    assert joined.feed(f"{M}[rank0]:\r 10%{M}[rank1]:x") == ["[rank1]:x"]
+    assert joined.feed(f"{M}[rank0]:\r 20%{M}[rank0]:\r 30%{M}[rank1]:y") == ["[rank0]:\r 10%\r 20%", "[rank1]:y"]
+    assert joined.flush() == ["[rank0]:\r 30%"]

@@ -465,14 +465,28 @@ def test_a_rank_line_torchruns_tee_cut_in_two_is_followed_whole(fake_slurm: Path
     # what a CI run's node log held: rank 2's print cut by the tee, with rank 3's line between
     d = fake_slurm / "home" / ".nodeops" / "runs" / "r7" / "logs"
     d.mkdir(parents=True)
-    (d / "node2.log").write_text("[rank2]:attempt 2[rank3]:three\n[rank2]:\n[rank2]:done\n[rank2]:no end")
+    m = "\x1e"  # torchrun's prefix as nodeops sets it: the mark, then [rankN]:
+    (d / "node2.log").write_text(f"{m}[rank2]:attempt 2{m}[rank3]:three\n{m}[rank2]:\n{m}[rank2]:done\n"
+                                 f"{m}[rank2]:a piece of{m}[rank1]:one\n")  # fmt: skip
     got: list[tuple[str, str]] = []
     fol = slurm.Follower(slurm.Login(None), "r7", "4242", lambda host, line: got.append((host, line)))
     fol.step()
-    assert got == [("node2", "[rank3]:three"), ("node2", "[rank2]:attempt 2"), ("node2", "[rank2]:done")]
+    assert got == [("node2", "[rank3]:three"), ("node2", "[rank2]:attempt 2"), ("node2", "[rank2]:done"),
+                   ("node2", "[rank1]:one")]  # fmt: skip
+    with (d / "node2.log").open("a") as f:  # its end comes in a later poll
+        f.write(f"{m}[rank0]:zero\n{m}[rank2]: a line\n{m}[rank0]:no newline")
+    fol.step()
+    assert got[-2:] == [("node2", "[rank0]:zero"), ("node2", "[rank2]:a piece of a line")]
     fol.step(whole=True)  # the end: the last line, though it has no newline
-    assert got[-1] == ("node2", "[rank2]:no end")
+    assert got[-1] == ("node2", "[rank0]:no newline")
     assert list(fol.tails["node2"]) == [line for _, line in got]
+    # the log truncated (the job requeued) while a piece waits: the piece is shown, then the new log
+    (d / "node2.log").write_text(f"{m}[rank1]:cut{m}[rank0]:x, a line longer than the next log\n")
+    fol.step()
+    (d / "node2.log").write_text("nodeops: requeued, restart 1\n")
+    fol.step()
+    assert got[-3:] == [("node2", "[rank0]:x, a line longer than the next log"), ("node2", "[rank1]:cut"),
+                        ("node2", "nodeops: requeued, restart 1")]  # fmt: skip
 
 
 def test_ctrl_c_while_sbatch_runs_still_records_the_job_and_cancels_it(

@@ -25,8 +25,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TextIO
 
 TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
-# torchrun's prefix of each rank's lines (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, set by nodeops)
-RANK = re.compile(r"\[rank(\d+)\]:")
+# torchrun's prefix of each rank's echoed lines, as nodeops sets it (_launch_plan.RANK_PREFIX:
+# an ASCII record separator, then "[rankN]:"); RankLines shows them as "[rankN]:"
+RANK = re.compile("\x1e" + r"\[rank(\d+)\]:")
 # mpirun's report of the first rank that failed ("Process name: [[job,1],R]" ... "Exit code: N"),
 # or of one that a signal ended ("... process rank R with PID P on node N exited on signal S")
 FIRST = re.compile(r"Process name: \[\[\d+,\d+\],(\d+)\]")
@@ -39,23 +40,11 @@ MAX_LINE = 1 << 20  # bytes without a newline that are written out as a line any
 FAILURE = re.compile(r"nodeops: mpirun: first failure: rank (\d+) on (\S+) \(exit code (-?\d+)\)")
 
 
-def pieces(line: str, tag: re.Pattern[str] = TAG, glued: bool = False) -> tuple[str, list[tuple[int, str]]]:
+def pieces(line: str, tag: re.Pattern[str] = TAG) -> tuple[str, list[tuple[int, str]]]:
     """The tagged pieces of one physical line: the untagged text before the first tag, and
-    (rank, text) for each tagged piece. With ``glued`` (torchrun's tee, which never writes an
-    empty piece) a tag right after a tag is the piece's text: "[rank0]:[rank0]:[W..." is rank
-    0's "[rank0]:[W..." (torch prefixes its own warnings so)."""
-    marks = list(tag.finditer(line))
-    if not marks:
-        return line, []
-    out: list[tuple[int, str]] = []
-    i = 0
-    while i < len(marks):
-        m, j = marks[i], i + 1
-        while glued and j < len(marks) and marks[j].start() == m.end():
-            j += 1
-        out.append((int(m.group(1)), line[m.end() : marks[j].start() if j < len(marks) else len(line)]))
-        i = j
-    return line[: marks[0].start()], out
+    (rank, text) for each tagged piece."""
+    parts = tag.split(line)
+    return parts[0], [(int(parts[i]), parts[i + 1]) for i in range(1, len(parts), 2)]
 
 
 class Lines:
@@ -64,14 +53,13 @@ class Lines:
     physical line belongs to its last piece. Open MPI's --tag-output does this (``tag``
     :data:`TAG`), and so does torchrun's tee (:data:`RANK`): it echoes a rank's log file by
     ``readline``, which returns the start of a line the rank is still writing (unbuffered
-    Python writes a print's text and its newline apart), so "[rank2]:text[rank2]:" and then the
-    next line. ``feed`` gives back whole lines: (None, text) for the writer's own (untagged)
-    text, (rank, text) for a rank's line. With ``leading`` (torchrun) only a line that starts
-    with a tag is split (torchrun's own lines are not tagged, and may quote a rank's), and a tag
-    right after a tag is text (:func:`pieces`, ``glued``)."""
+    Python writes a print's text and its newline apart), so "<tag>text<tag>" and then the next
+    line. ``feed`` gives back whole lines: (None, text) for the writer's own (untagged) text,
+    (rank, text) for a rank's line. A piece waits for the rest of its line, but not for ever:
+    past MAX_LINE characters (a progress bar's \\r updates) it is given back as a line."""
 
-    def __init__(self, tag: re.Pattern[str] = TAG, leading: bool = False) -> None:
-        self.tag, self.leading = tag, leading
+    def __init__(self, tag: re.Pattern[str] = TAG) -> None:
+        self.tag = tag
         self.pending: dict[int, str] = {}
 
     def flush(self) -> list[tuple[int | None, str]]:
@@ -81,29 +69,33 @@ class Lines:
         return out
 
     def feed(self, line: str) -> list[tuple[int | None, str]]:
-        head, parts = pieces(line, self.tag, glued=self.leading)
-        if not parts or (self.leading and head):
+        head, parts = pieces(line, self.tag)
+        if not parts:
             return [(None, line)]
         out: list[tuple[int | None, str]] = [(None, head)] if head else []
         for n, (rank, text) in enumerate(parts):
             self.pending[rank] = self.pending.get(rank, "") + text
-            if n == len(parts) - 1:
+            if n == len(parts) - 1 or len(self.pending[rank]) > MAX_LINE:
                 out.append((rank, self.pending.pop(rank)))
         return out
 
 
 class RankLines:
-    """torchrun's rank lines (``[rankN]:text``) made whole again, one host's output at a time
-    (:class:`Lines` with :data:`RANK`); any other line passes as it is."""
+    """torchrun's rank lines made whole again, one host's output at a time (:class:`Lines` with
+    :data:`RANK`), and shown as ``[rankN]:text``. A line without the mark (torchrun's own,
+    nodeops' marks between attempts, a Slurm restart's) first gives back what is pending, as
+    lines: a rank that died mid-line never glues its piece onto the next attempt's line."""
 
     def __init__(self) -> None:
-        self.lines = Lines(RANK, leading=True)
+        self.lines = Lines(RANK)
 
     @staticmethod
     def _text(rank: int | None, text: str) -> str:
         return text if rank is None else f"[rank{rank}]:{text}"
 
     def feed(self, line: str) -> list[str]:
+        if not line.startswith("\x1e"):
+            return [*self.flush(), line]
         return [self._text(r, t) for r, t in self.lines.feed(line)]
 
     def flush(self) -> list[str]:
