@@ -153,6 +153,9 @@ def run_dir(run_id: str) -> str:
 # rank is still writing), and only this mark tells its cuts from a rank's own "[rank3]:" text.
 # Readers make the lines whole and show them as "[rankN]:" (nodeops.launch.mpi_split.RankLines).
 RANK_PREFIX = "\x1e[rank${rank}]:"
+# torchrun echoes every rank's stdout and stderr into its own, each line with RANK_PREFIX
+# (the ssh path's job.sh and the Slurm batch script alike)
+TEE_ENV = {"PET_TEE": "3", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_PREFIX}
 
 
 def job_env(runner: str, env: Mapping[str, str], rdir: str) -> dict[str, str]:
@@ -160,8 +163,7 @@ def job_env(runner: str, env: Mapping[str, str], rdir: str) -> dict[str, str]:
     dir, and for torchrun its per-rank log files (the guard reads failures from them)."""
     out = {**env, "NODEOPS_RUN_DIR": rdir}
     if runner == "torchrun":
-        out.update({"PET_LOG_DIR": f"{rdir}/ranks", "PET_TEE": "3",
-                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_PREFIX})  # fmt: skip
+        out.update({"PET_LOG_DIR": f"{rdir}/ranks", **TEE_ENV})
     return out
 
 

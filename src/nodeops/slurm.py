@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from nodeops import check_rules, failures, probe
 from nodeops import deepspeed as ds
 from nodeops import slurm_failures as SF
-from nodeops._launch_plan import RANK_PREFIX
+from nodeops._launch_plan import TEE_ENV
 from nodeops.errors import NodeopsError
 from nodeops.launch import mpi_split
 from nodeops.launch import recovery as R
@@ -144,7 +144,7 @@ def batch_script(loaded: LoadedSpec) -> str:
     login = spec.login_node() or spec.chief
     signals = DEFAULT_SIGNALS + (f",SIG{s.signal.name}" if s.signal and s.signal.name not in ("TERM", "INT") else "")
     extra = "" if s.signal is None else f" --signals-to-handle={signals}"
-    env = {"PYTHONUNBUFFERED": "1", "PET_TEE": "3", "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_PREFIX}
+    env = {"PYTHONUNBUFFERED": "1", **TEE_ENV}
     j = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
                            keep_trailing_newline=True)  # fmt: skip
     j.filters["sh_run_word"] = sh_run_word
