@@ -51,15 +51,16 @@ TEARDOWN_LINE = re.compile(r"death signal, shutting down workers")
 
 def blame_mpi_rank(root: HostState, rank_tails: dict[int, deque[str]], rank_hosts: Sequence[str]) -> HostState:
     """mpirun reports the first rank that failed ("Process name: [[job,1],R]", "Exit code: N"):
-    name that rank's own host, with that rank's own lines, instead of mpirun's host."""
-    failed = M.first_failure("\n".join(root.tail))
+    name that rank's own host, with that rank's own lines, instead of mpirun's host; or the rank
+    that failed by itself first, where mpirun's only lost its peer (mpi_split.cause)."""
+    failed = M.cause("\n".join(root.tail), rank_tails)
     if failed is None or not rank_hosts:
         return root
     rank, code = failed
     host = rank_hosts[rank] if rank < len(rank_hosts) else root.host
     st = HostState(f"{host} [rank{rank}]")
     st.exit_code = root.exit_code if code is None else code
-    st.tail.extend(rank_tails.get(rank, []))
+    st.tail.extend(text for text, _ in map(M.exited, rank_tails.get(rank, [])) if text)  # without the exit mark
     st.ended_at = root.ended_at
     return st
 

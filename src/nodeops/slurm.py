@@ -70,6 +70,7 @@ STEP_WAIT = 60  # srun --wait: the seconds the other tasks of a step have after 
 READ_MAX = 1 << 20  # bytes of one log read per poll
 MPI_SPLIT = "mpi_split.py"  # runner mpirun: in the run dir, each rank's lines into its node's log
 MPI_SHIM = "mpi_shim.sh"  # runner mpirun: in the run dir, Open MPI's rank variables -> env:// names
+MPI_PROTOCOL = "protocol.py"  # runner mpirun: beside mpi_split.py, which reads its PEER_LOST
 KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
 
 
@@ -163,6 +164,7 @@ def batch_script(loaded: LoadedSpec) -> str:
         watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH, run_env=RUN_ENV,
         fabric_args=FABRIC_ARGS, fabric_config=FABRIC_CONFIG, fabric_doc=FABRIC_DOC, fabric_report=FABRIC_REPORT,
         fabric_timeout=FABRIC_TIMEOUT, runner=spec.launch.runner, mpi_split=MPI_SPLIT, mpi_shim=MPI_SHIM,
+        mpi_protocol=MPI_PROTOCOL,
         ds_world_boot=sh_word(ds.WORLD_INFO_BOOT), ds_env_boot=sh_word(ds.ENV_FILE_BOOT),
         restarts=spec.launch.restarts if spec.launch.runner == "torchrun" else 0, recover_dir=SF.PACKAGE_DIR,
     ))  # fmt: skip

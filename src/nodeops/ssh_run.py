@@ -317,7 +317,8 @@ def follow(
     states = {h: HostState(h) for h in hosts}
     kill_hosts = list(kill_hosts) or list(hosts)
     remote_tails: dict[str, deque[str]] = {}  # pdsh: each node's own lines, by address
-    rank_tails: dict[int, deque[str]] = {}  # mpirun: each rank's own lines
+    rank_tails: dict[int, deque[str]] = {}  # mpirun: each rank's own lines, whole, exit marks included
+    rank_joined = mpi_split.Lines()  # mpirun's pieces of them
     events: queue.Queue[tuple[str, str | None]] = queue.Queue()
     procs: dict[str, subprocess.Popen[str]] = {}
     script = sh_word(f"{remote_dir(run_id)}/follow.sh")
@@ -386,8 +387,9 @@ def follow(
                 prefixed = pdsh_split(line, addresses or {})
                 if prefixed is not None:
                     remote_tails.setdefault(prefixed[0], deque(maxlen=TAIL_LINES)).append(prefixed[1])
-                for rank, text in mpi_split.pieces(line)[1] if rank_hosts else ():
-                    rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
+                for rank, text in rank_joined.feed(line) if rank_hosts and mpi_split.TAG.search(line) else ():
+                    if rank is not None:
+                        rank_tails.setdefault(rank, deque(maxlen=TAIL_LINES)).append(text)
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, on_sigterm)

@@ -326,6 +326,13 @@ def test_mpirun_3x1_every_rank_reports_the_same_hash(
         subprocess.run(["docker", "exec", n.container, "ps", "-eo", "cmd"], capture_output=True, text=True).stdout
         for n in sandbox_cluster.nodes
     )  # fmt: skip
+    # Rank 1 on node2 fails. Rank 0, beside mpirun on node1, loses its peer at once, and mpirun
+    # may hear of it first (CI saw that on Slurm): the rank that failed by itself is named anyway.
+    p = launch(spec, "--", "ddp_train.py", "--steps", "200", "--sleep", "0.1", "--fail-rank", "1", "--fail-step", "3")
+    assert p.returncode == 1, p.stdout[-2000:] + p.stderr[-3000:]
+    assert re.search(r"FAILED: first failure on node2 \[rank1\] \(exit code 1\)", p.stderr), p.stderr[-3000:]
+    assert "rank 1: failing on purpose at step 3" in p.stderr and "@@nodeops" not in p.stdout + p.stderr
+    assert no_leftovers_within(sandbox_cluster, 10) == {"node1": [], "node2": [], "node3": []}
 
 
 def test_deepspeed_3x1_through_pdsh_and_a_dead_rank_stops_everything(

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +99,31 @@ def test_mpi_shim_maps_ranks(tmp_path: Path) -> None:
     assert out.split() == ["3", "4", "1", "2"]
 
 
+def test_mpi_shim_marks_a_failed_ranks_exit_and_waits_for_a_signalled_rank(tmp_path: Path) -> None:
+    """The shim runs the rank as a child: a non-zero exit gets its mark on stderr (mpi_split.EXITED)
+    and the rank's code; no shell words about a signal ("Aborted"). Open MPI signals the whole
+    group: the shim waits for the rank (which may handle the signal and go on), not dies first."""
+    shim = tmp_path / "shim"
+    shim.write_text(launchers.mpi_shim())
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NODEOPS_RUN_ID": "r"}
+    ok = subprocess.run(["sh", str(shim), "sh", "-c", "echo out; echo err >&2"], env=env, capture_output=True,
+                        text=True, check=False)  # fmt: skip
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "out\n", "err\n")
+    bad = subprocess.run(["sh", str(shim), "sh", "-c", "echo err >&2; kill -ABRT $$"], env=env, capture_output=True,
+                         text=True, check=False)  # fmt: skip
+    text, mark = mpi_split.exited(bad.stderr.splitlines()[-1])
+    assert bad.returncode == 134 and bad.stderr.splitlines()[:-1] == ["err"] and text == "" and mark is not None
+    assert mark[0] == 134 and abs(mark[1] - time.time()) < 60
+    handler = "trap 'echo got TERM; sleep 0.3; echo still here; exit 3' TERM; echo ready; while :; do sleep 0.1; done"
+    p = subprocess.Popen(["sh", str(shim), "sh", "-c", handler], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    os.killpg(p.pid, signal.SIGTERM)  # as Open MPI's daemon does
+    out, err = p.communicate(timeout=10)
+    assert (p.returncode, out) == (3, "got TERM\nstill here\n")
+    assert mpi_split.exited(err.splitlines()[-1])[1] is not None
+
+
 def render_job(argv: list[str], env: dict[str, str], workdir: str, **kw: Any) -> str:
     """The real template, rendered by starter with the production quoting (what both transports ship)."""
     return starter.render_job(run_id="r", host="h", workdir=workdir, env=env, argv=argv, **kw)
@@ -174,3 +202,11 @@ def test_mpirun_failure_names_the_failing_ranks_own_host_and_lines() -> None:
     blamed = failures.blame_mpi_rank(root, rank_tails, ["node1", "node2", "node3"])
     assert (blamed.host, blamed.exit_code, list(blamed.tail)) == ("node3 [rank2]", 1, ["FAILING on purpose"])
     assert failures.blame_mpi_rank(root, rank_tails, []) is root  # not an mpirun run: unchanged
+    # mpirun named rank 0, whose peer closed the connection; rank 2 failed by itself first (its
+    # shim's exit mark): rank 2 is blamed, with its code, and its lines without the mark
+    root.tail.extend(["mpirun noticed that process rank 0 with PID 0 on node node1 exited on signal 6 (Aborted)."])
+    root.tail.remove("  Process name: [[48939,1],2]")
+    rank_tails = {0: deque(["Connection closed by peer [10.0.0.3]:1234", "@@nodeops-rank-exit 134 10.5"]),
+                  2: deque(["FAILING on purpose", "@@nodeops-rank-exit 7 10.1"])}  # fmt: skip
+    blamed = failures.blame_mpi_rank(root, rank_tails, ["node1", "node2", "node3"])
+    assert (blamed.host, blamed.exit_code, list(blamed.tail)) == ("node3 [rank2]", 7, ["FAILING on purpose"])

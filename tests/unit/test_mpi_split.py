@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from nodeops import _launch_plan
 from nodeops import slurm_failures as SF
 from nodeops.launch import mpi_split
+from nodeops.launch import protocol as P
 
 SPLIT = Path(mpi_split.__file__)
 
@@ -40,9 +41,19 @@ the job to be terminated. The first process to do so was:
 """
 
 
+def shipped(tmp_path: Path) -> Path:
+    """mpi_split.py as the Slurm run dir holds it: protocol.py beside it and nothing else of nodeops."""
+    ship = tmp_path / "ship"
+    ship.mkdir(exist_ok=True)
+    (ship / "protocol.py").write_text(Path(P.__file__).read_text())
+    (ship / "mpi_split.py").write_text(SPLIT.read_text())
+    return ship / "mpi_split.py"
+
+
 def run_split(tmp_path: Path, text: str, *nodes: str) -> subprocess.CompletedProcess[str]:
+    """As the batch script runs it (python3 -E -s: no user site, no PYTHON* variables)."""
     (tmp_path / "logs").mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, "-I", str(SPLIT), str(tmp_path), *nodes], input=text,
+    return subprocess.run([sys.executable, "-E", "-s", str(shipped(tmp_path)), str(tmp_path), *nodes], input=text,
                           capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
 
 
@@ -70,6 +81,52 @@ def test_a_rank_a_signal_ended_is_named_with_its_shell_exit_code(tmp_path: Path)
     assert (tmp_path / "logs" / "node1.log").read_text() == "[rank0]:step 1\n"
 
 
+# What mpirun 4.1 printed in CI (trimmed) when rank 2 on node2 exited 1 at step 3: rank 1, on
+# mpirun's own node, lost its gloo peer and aborted, and mpirun heard of that first. The exit
+# marks are the MPI shim's (rank 2's came first).
+VICTIM_NAMED = """\
+[1,2]<stderr>:rank 2: failing on purpose at step 3
+[1,2]<stderr>:@@nodeops-rank-exit 1 1795629711.250000000
+[1,1]<stderr>:[rank1]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.220.0.12]:29877.
+[1,1]<stderr>:terminate called without an active exception
+[1,1]<stderr>:@@nodeops-rank-exit 134 1795629711.251000000
+[1,3]<stderr>:[rank3]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.220.0.12]:15772.
+[1,3]<stdout>:half a line[1,3]<stderr>:@@nodeops-rank-exit 1 1795629711.249000000
+--------------------------------------------------------------------------
+mpirun noticed that process rank 1 with PID 0 on node node1 exited on signal 6 (Aborted).
+--------------------------------------------------------------------------
+"""
+
+
+def test_a_rank_mpirun_names_that_only_lost_its_peer_gives_way_to_the_rank_that_failed_first(tmp_path: Path) -> None:
+    """The CI failure of stop 38's resubmission: mpirun named rank 1 (signal 6), whose own lines say
+    its peer closed the connection. Rank 2 failed without saying so: it is the first failure.
+    Rank 3 lost a peer too, so its earlier mark does not count. The marks stay out of the logs."""
+    p = run_split(tmp_path, VICTIM_NAMED, "node1", "node1", "node2", "node3")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "nodeops: mpirun: first failure: rank 2 on node2 (exit code 1)"
+    logs = {f.stem: f.read_text() for f in (tmp_path / "logs").iterdir()}
+    assert "@@nodeops" not in "".join(logs.values())
+    assert logs["node2"] == "[rank2]:rank 2: failing on purpose at step 3\n"
+    assert logs["node3"].endswith("[rank3]:half a line\n")  # a rank's piece before the mark is its own
+
+
+def test_mpiruns_choice_stands_where_it_did_not_lose_a_peer_or_no_rank_failed_by_itself() -> None:
+    report = "mpirun noticed that process rank 1 with PID 0 on node node1 exited on signal 9 (Killed)."
+    lost = "RuntimeError: Connection reset by peer"
+    mark = "@@nodeops-rank-exit {} {}"
+    # rank 1 did not lose a peer (the OOM killer, say): it stands, though rank 2 has an earlier mark
+    assert mpi_split.cause(report, {1: ["x", mark.format(137, 5)], 2: [mark.format(1, 4)]}) == (1, 137)
+    # rank 1 lost a peer, but every other rank that failed did too: mpirun's choice stands
+    assert mpi_split.cause(report, {1: [lost, mark.format(134, 5)], 2: [lost, mark.format(1, 4)]}) == (1, 137)
+    # the earliest of those that failed by themselves; a mark of 0 is no failure
+    tails = {1: [lost], 2: [mark.format(1, 9)], 3: [mark.format(3, 7)], 0: [mark.format(0, 1)]}
+    assert mpi_split.cause(report, tails) == (3, 3)
+    assert mpi_split.cause("no report", tails) is None  # mpirun named no rank: nothing to refine
+    assert mpi_split.exited("abc@@nodeops-rank-exit 1 2.5") == ("abc", (1, 2.5))
+    assert mpi_split.exited("@@nodeops-rank-exit 1 x") == ("@@nodeops-rank-exit 1 x", None)  # not a mark
+
+
 def test_a_clean_run_adds_no_failure_line_and_appends_to_existing_logs(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "node1.log").write_text("nodeops: requeued, restart 1\n")  # a requeued job's log goes on
@@ -80,7 +137,7 @@ def test_a_clean_run_adds_no_failure_line_and_appends_to_existing_logs(tmp_path:
 
 def test_a_rank_beyond_the_map_and_bad_bytes_go_to_the_batch_log_unharmed(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
-    p = subprocess.run([sys.executable, "-I", str(SPLIT), str(tmp_path), "node1"],
+    p = subprocess.run([sys.executable, "-E", "-s", str(shipped(tmp_path)), str(tmp_path), "node1"],
                        input=b"[1,5]<stdout>:odd \xff\n", capture_output=True, timeout=30, check=False)  # fmt: skip
     assert p.returncode == 0 and p.stdout.decode() == "[rank5]:odd \ufffd\n"
     assert not (tmp_path / "logs" / "node1.log").exists()

@@ -301,11 +301,13 @@ def preflight_input(loaded: LoadedSpec, script: str | None) -> str:
 def run_files(loaded: LoadedSpec) -> dict[str, str]:
     """What `nodeops stacks` and the hang watchdog need in the run dir (the batch script uses
     each only where it is there): stacks.py, the ranks' stack hook, and with a hang timeout the
-    watchdog and its config; for runner mpirun, the MPI shim and mpirun's output splitter."""
+    watchdog and its config; for runner mpirun, the MPI shim and mpirun's output splitter (with
+    the protocol module it reads)."""
     files = {"stacks.py": Path(S.__file__).read_text(), f"{S.HOOK_DIR}/sitecustomize.py": S.HOOK}
     if loaded.spec.launch.runner == "mpirun":
         files[slurm.MPI_SPLIT] = Path(mpi_split.__file__).read_text()
         files[slurm.MPI_SHIM] = launchers.mpi_shim()
+        files[slurm.MPI_PROTOCOL] = Path(P.__file__).read_text()
     timeout = loaded.spec.launch.hang_timeout
     if timeout:
         files["watch.py"] = Path(W.__file__).read_text()

@@ -47,7 +47,9 @@ def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None, emit_line:
             for rank, text in lines.feed(line):
                 if rank is None:
                     emit_line(host, text)
-                else:
+                    continue
+                text, mark = mpi_split.exited(text)  # the MPI shim's exit mark: for the verdict only
+                if text or mark is None:
                     emit_line(rank_hosts[rank] if rank < len(rank_hosts) else host, f"[rank{rank}]:{text}")
             return
         prefixed = failures.pdsh_split(line, pdsh_hosts or {})

@@ -10,7 +10,9 @@ output through it on the batch node:
 Each rank's lines go, as ``[rankN]:LINE`` (torchrun's prefix), into ``RUN_DIR/logs/NODE.log`` of
 its own node, where the training step's lines go under torchrun; mpirun's own lines go to
 stdout (the batch log), and after mpirun's failure report one line names the rank and its node:
-``nodeops: mpirun: first failure: rank R on NODE (exit code N)`` (:data:`FAILURE`).
+``nodeops: mpirun: first failure: rank R on NODE (exit code N)`` (:data:`FAILURE`). That rank
+is mpirun's, unless its lines say it lost a peer and another rank failed by itself first
+(:func:`cause`); protocol.py lies beside it in the run dir for that.
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TextIO
+
+if __package__:
+    from . import protocol as P
+else:  # shipped: protocol.py lies beside this file in the run dir
+    import protocol as P  # type: ignore[import-not-found,no-redef]
 
 TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
 # torchrun's prefix of each rank's echoed lines, as nodeops sets it (_launch_plan.RANK_PREFIX:
@@ -38,6 +45,11 @@ OWN_LINES = 200  # of mpirun's own lines, kept for its failure report
 CHUNK = 1 << 16  # bytes read at a time
 MAX_LINE = 1 << 20  # bytes without a newline that are written out as a line anyway
 FAILURE = re.compile(r"nodeops: mpirun: first failure: rank (\d+) on (\S+) \(exit code (-?\d+)\)")
+# The MPI shim's last line on a rank's stderr when the rank exits non-zero: its code (a signal
+# as 128 + N) and when, in seconds since the epoch. At the end of a rank's line: a piece of the
+# rank's own output without its newline may come first.
+EXITED = re.compile(r"@@nodeops-rank-exit (\d+) (\d+(?:\.\d+)?)$")
+TAIL = 50  # lines of each rank kept to tell whether it lost a peer
 
 
 def pieces(line: str, tag: re.Pattern[str] = TAG) -> tuple[str, list[tuple[int, str]]]:
@@ -121,6 +133,38 @@ def first_failure(text: str) -> tuple[int, int | None] | None:
     return (int(s.group(1)), 128 + int(s.group(2))) if s else None
 
 
+def exited(text: str) -> tuple[str, tuple[int, float] | None]:
+    """A rank's line without the MPI shim's exit mark, and the mark's (code, time), if any."""
+    m = EXITED.search(text)
+    if m is None:
+        return text, None
+    return text[: m.start()], (int(m.group(1)), float(m.group(2)))
+
+
+def cause(text: str, tails: Mapping[int, Iterable[str]]) -> tuple[int, int | None] | None:
+    """(rank, exit code) of the rank whose failure started it. mpirun names the first failed rank
+    it heard of, which is often one that only lost its peer: a rank on mpirun's own node, say,
+    whose collective call failed ("Connection closed by peer") before the news of the real
+    failure arrived from another node. When the rank mpirun names printed that it lost a peer,
+    the earliest rank that failed without saying so (by the shim's exit marks in ``tails``, each
+    rank's last lines) is named instead; with none, mpirun's."""
+    named = first_failure(text)
+    if named is None:
+        return None
+
+    def lost_peer(rank: int) -> bool:
+        return any(P.PEER_LOST.search(line) for line in tails.get(rank, ()))
+
+    if not lost_peer(named[0]):
+        return named
+    own = [(mark[1], rank, mark[0]) for rank, lines in tails.items() if not lost_peer(rank)
+           for mark in [exited(line)[1] for line in lines] if mark is not None and mark[0] != 0]  # fmt: skip
+    if not own:
+        return named
+    _, rank, code = min(own)
+    return rank, code
+
+
 def touch(path: str) -> None:
     try:
         with open(path, "a"):
@@ -136,12 +180,18 @@ def split(read: Callable[[int], bytes], out: TextIO, run_dir: str, rank_nodes: S
     progress, as its node log's growth does under torchrun."""
     lines = Lines()
     own: collections.deque[str] = collections.deque(maxlen=OWN_LINES)  # mpirun's own, for its report
+    tails: dict[int, collections.deque[str]] = {}  # each rank's last lines, its exit mark included
     progress = os.path.join(run_dir, "progress")
     touched = 0.0
     with contextlib.ExitStack() as stack:
         logs: dict[str, TextIO] = {}
 
         def put(rank: int | None, text: str) -> None:
+            if rank is not None:
+                tails.setdefault(rank, collections.deque(maxlen=TAIL)).append(text)
+                text, mark = exited(text)
+                if mark is not None and not text:
+                    return
             node = rank_nodes[rank] if rank is not None and rank < len(rank_nodes) else None
             if node is None:
                 if rank is None:
@@ -176,7 +226,7 @@ def split(read: Callable[[int], bytes], out: TextIO, run_dir: str, rank_nodes: S
                 put(rank, text)
         for rank, text in lines.flush():  # pieces of a line whose newline never came (a rank that died)
             put(rank, text)
-    failed = first_failure("\n".join(own))
+    failed = cause("\n".join(own), tails)
     if failed is not None:
         rank, code = failed
         node = rank_nodes[rank] if rank < len(rank_nodes) else "?"
