@@ -429,7 +429,8 @@ def follow(
     stopped = (result or {}).get("outcome") == "stopped"
     hang = (result or {}).get("hang") if (result or {}).get("outcome") == "hung" else None
     if not interrupted and not stopped and hang is None:
-        blame_peers(states, remote_tails, addresses or {})
+        if not rank_hosts:  # under mpirun, its report and the ranks' exit marks name the rank (blame_mpi_rank)
+            blame_peers(states, remote_tails, addresses or {})
         first = (result or {}).get("first_failure")
         root = root_cause(list(states.values()), named=first["host"] if first else "")
         root = blame_mpi_rank(root, rank_tails, rank_hosts) if root is not None else None

@@ -188,3 +188,26 @@ def one_group_stacks(stacks: Callable[[], subprocess.CompletedProcess[str]], ran
             break
     assert one.search(p.stdout), p.stdout + p.stderr
     return p.stdout + p.stderr
+
+
+# A training script whose rank 1 drops its connections and exits 1 only 0.3 s later: its peers
+# fail on the lost peer first, and mpirun names one of them (test_launch, test_slurm). Rank 1
+# ignores the SIGTERM of mpirun's teardown meanwhile, so that it ends with its own code (a rank
+# the teardown ends first is named with 143, as it ended: seen on Slurm before it ignored it).
+LINGER = """\
+import signal, sys, time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+t = torch.ones(1)
+for step in range(200):
+    if dist.get_rank() == 1 and step == 3:
+        print("rank 1: failing on purpose", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        dist.destroy_process_group()  # no DDP holds it: its connections close now
+        time.sleep(0.3)
+        sys.exit(1)
+    dist.all_reduce(t)
+    time.sleep(0.05)
+"""

@@ -123,6 +123,10 @@ def test_mpiruns_choice_stands_where_it_did_not_lose_a_peer_or_no_rank_failed_by
     tails = {1: [lost], 2: [mark.format(1, 9)], 3: [mark.format(3, 7)], 0: [mark.format(0, 1)]}
     assert mpi_split.cause(report, tails) == (3, 3)
     assert mpi_split.cause("no report", tails) is None  # mpirun named no rank: nothing to refine
+    # a rank the teardown's SIGTERM ended comes after one that ended by itself, whatever the clocks
+    tails = {1: [lost], 2: [mark.format(143, 1)], 3: [mark.format(3, 7)]}
+    assert mpi_split.cause(report, tails) == (3, 3)
+    assert mpi_split.cause(report, {1: [lost], 2: [mark.format(143, 1)]}) == (2, 143)  # as it ended
     assert mpi_split.exited("abc@@nodeops-rank-exit 1 2.5") == ("abc", (1, 2.5))
     assert mpi_split.exited("@@nodeops-rank-exit 1 x") == ("@@nodeops-rank-exit 1 x", None)  # not a mark
 

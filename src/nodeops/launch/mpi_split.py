@@ -50,6 +50,7 @@ FAILURE = re.compile(r"nodeops: mpirun: first failure: rank (\d+) on (\S+) \(exi
 # rank's own output without its newline may come first.
 EXITED = re.compile(r"@@nodeops-rank-exit (\d+) (\d+(?:\.\d+)?)$")
 TAIL = 50  # lines of each rank kept to tell whether it lost a peer
+TEARDOWN_CODES = (128 + 15, 128 + 9)  # SIGTERM, SIGKILL: how mpirun's teardown ends a rank
 
 
 def pieces(line: str, tag: re.Pattern[str] = TAG) -> tuple[str, list[tuple[int, str]]]:
@@ -147,7 +148,10 @@ def cause(text: str, tails: Mapping[int, Iterable[str]]) -> tuple[int, int | Non
     whose collective call failed ("Connection closed by peer") before the news of the real
     failure arrived from another node. When the rank mpirun names printed that it lost a peer,
     the earliest rank that failed without saying so (by the shim's exit marks in ``tails``, each
-    rank's last lines) is named instead; with none, mpirun's."""
+    rank's last lines) is named instead; with none, mpirun's. A rank that SIGTERM or SIGKILL
+    ended (mpirun's teardown, most likely) comes after one that ended by itself: the marks'
+    times come from each node's own clock. Its code is the one it ended with (143, say), not a
+    code it might have exited with had the teardown not come first."""
     named = first_failure(text)
     if named is None:
         return None
@@ -157,11 +161,11 @@ def cause(text: str, tails: Mapping[int, Iterable[str]]) -> tuple[int, int | Non
 
     if not lost_peer(named[0]):
         return named
-    own = [(mark[1], rank, mark[0]) for rank, lines in tails.items() if not lost_peer(rank)
+    own = [(mark[0] in TEARDOWN_CODES, mark[1], rank, mark[0]) for rank, lines in tails.items() if not lost_peer(rank)
            for mark in [exited(line)[1] for line in lines] if mark is not None and mark[0] != 0]  # fmt: skip
     if not own:
         return named
-    _, rank, code = min(own)
+    *_, rank, code = min(own)
     return rank, code
 
 
