@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from nodeops.launch import mpi_split as M
 from nodeops.launch import protocol as P
 
-TAIL_LINES = 200  # torchrun's failure summary and shutdown alone is ~40 lines; keep the rank's last words too
+TAIL_LINES = P.TAIL_LINES
 SHOWN_LINES = 20  # of them, the failing rank's own last lines shown under FAILED
 HUNG_EXIT = 124  # a run the hang watchdog stopped (as timeout(1) exits when its command timed out)
 

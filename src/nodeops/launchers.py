@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nodeops import _launch_plan
+from nodeops.launch import stacks as S
 from nodeops.resources import data_dir
 from nodeops.spec import Node, ResourceSpec
 
 # Runs on each rank under mpirun: maps Open MPI's rank variables to torch's env:// names.
-MPI_SHIM_FILE = "mpi_shim.sh"
+MPI_SHIM_FILE = S.SHIM
 
 
 def mpi_shim() -> str:

@@ -33,6 +33,7 @@ from nodeops.errors import NodeopsError
 from nodeops.launch import mpi_split
 from nodeops.launch import recovery as R
 from nodeops.launch import slurm_watch as W
+from nodeops.launch import stacks as S
 from nodeops.quoting import sh_path, sh_run_word, sh_word
 from nodeops.render import activation
 from nodeops.resources import data_dir
@@ -69,7 +70,7 @@ DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # what torchrun handles unles
 STEP_WAIT = 60  # srun --wait: the seconds the other tasks of a step have after one ended
 READ_MAX = 1 << 20  # bytes of one log read per poll
 MPI_SPLIT = "mpi_split.py"  # runner mpirun: in the run dir, each rank's lines into its node's log
-MPI_SHIM = "mpi_shim.sh"  # runner mpirun: in the run dir, Open MPI's rank variables -> env:// names
+MPI_SHIM = S.SHIM  # runner mpirun: in the run dir, Open MPI's rank variables -> env:// names
 MPI_PROTOCOL = "protocol.py"  # runner mpirun: beside mpi_split.py, which reads its PEER_LOST
 KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
 

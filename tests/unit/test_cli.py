@@ -210,8 +210,8 @@ def test_mpirun_tagged_lines_get_the_ranks_host(capsys: pytest.CaptureFixture[st
     emit("node1", "[1,1]<stdout>:")
     emit("node1", "[1,0]<stdout>:step 6[1,0]<stdout>:")
     # the MPI shim's exit marks are for the verdict, not shown; a piece before one is the rank's
-    emit("node1", "[1,2]<stderr>:@@nodeops-rank-exit 1 1795629711.25")
-    emit("node1", "[1,1]<stdout>:no newline[1,1]<stderr>:@@nodeops-rank-exit 134 1795629711.3")
+    emit("node1", "[1,2]<stderr>:@@nodeops-rank-exit 1 1795629711.25 -")
+    emit("node1", "[1,1]<stdout>:no newline[1,1]<stderr>:@@nodeops-rank-exit 134 1795629711.3 -")
     assert capsys.readouterr().out.splitlines() == [
         "node2 [rank2]:rank 2/3",
         "node1 [rank0]:rank 0/3",

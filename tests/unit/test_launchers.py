@@ -101,19 +101,29 @@ def test_mpi_shim_maps_ranks(tmp_path: Path) -> None:
 
 def test_mpi_shim_marks_a_failed_ranks_exit_and_waits_for_a_signalled_rank(tmp_path: Path) -> None:
     """The shim runs the rank as a child: a non-zero exit gets its mark on stderr (mpi_split.EXITED)
-    and the rank's code; no shell words about a signal ("Aborted"). Open MPI signals the whole
-    group: the shim waits for the rank (which may handle the signal and go on), not dies first."""
+    and the rank's code; no shell words about a signal ("Aborted"), and a rank a signal ended
+    ends the shim by the same signal (mpirun reports it as before). Open MPI signals the whole
+    group: the shim waits for the rank (which may handle the signal and go on), not dies first,
+    and its mark says a signal came from outside."""
     shim = tmp_path / "shim"
     shim.write_text(launchers.mpi_shim())
     env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NODEOPS_RUN_ID": "r"}
-    ok = subprocess.run(["sh", str(shim), "sh", "-c", "echo out; echo err >&2"], env=env, capture_output=True,
-                        text=True, check=False)  # fmt: skip
+
+    def run(script: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["sh", str(shim), "sh", "-c", script], env=env, capture_output=True, text=True,
+                              cwd=tmp_path, check=False)  # fmt: skip
+
+    ok = run("echo out; echo err >&2")
     assert (ok.returncode, ok.stdout, ok.stderr) == (0, "out\n", "err\n")
-    bad = subprocess.run(["sh", str(shim), "sh", "-c", "echo err >&2; kill -ABRT $$"], env=env, capture_output=True,
-                         text=True, check=False)  # fmt: skip
+    bad = run("echo err >&2; exit 3")
     text, mark = mpi_split.exited(bad.stderr.splitlines()[-1])
-    assert bad.returncode == 134 and bad.stderr.splitlines()[:-1] == ["err"] and text == "" and mark is not None
-    assert mark[0] == 134 and abs(mark[1] - time.time()) < 60
+    assert bad.returncode == 3 and bad.stderr.splitlines()[:-1] == ["err"] and text == "" and mark is not None
+    assert (mark.code, mark.signalled) == (3, False) and abs(mark.at - time.time()) < 60
+    aborted = run("kill -ABRT $$")
+    assert aborted.returncode == -signal.SIGABRT  # the shim itself ended by the rank's signal
+    mark = mpi_split.exited(aborted.stderr.splitlines()[-1])[1]
+    assert mark is not None and mark.code == 134 and aborted.stderr.splitlines()[:-1] == []
+    assert not list(tmp_path.glob("core*"))  # and left no core file of its own in the cwd
     handler = "trap 'echo got TERM; sleep 0.3; echo still here; exit 3' TERM; echo ready; while :; do sleep 0.1; done"
     p = subprocess.Popen(["sh", str(shim), "sh", "-c", handler], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
@@ -121,7 +131,31 @@ def test_mpi_shim_marks_a_failed_ranks_exit_and_waits_for_a_signalled_rank(tmp_p
     os.killpg(p.pid, signal.SIGTERM)  # as Open MPI's daemon does
     out, err = p.communicate(timeout=10)
     assert (p.returncode, out) == (3, "got TERM\nstill here\n")
-    assert mpi_split.exited(err.splitlines()[-1])[1] is not None
+    mark = mpi_split.exited(err.splitlines()[-1])[1]
+    assert mark is not None and (mark.code, mark.signalled) == (3, True)
+
+
+def test_stacks_finds_the_rank_under_the_mpi_shim_not_the_shim(tmp_path: Path) -> None:
+    """`nodeops stacks` and the hang watchdog pick each rank by RANK in its environment; the shim's
+    shell may carry RANK too (a spec's env forwarded by mpirun -x): its child is the rank."""
+    from nodeops.launch import stacks as S
+
+    shim = tmp_path / S.SHIM
+    shim.write_text(launchers.mpi_shim())
+    run_id = f"shim-{os.getpid()}"
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "NODEOPS_RUN_ID": run_id, "RANK": "5",
+           "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8"}  # fmt: skip
+    p = subprocess.Popen(["sh", str(shim), sys.executable, "-c", "import time; print(flush=True); time.sleep(30)"],
+                         env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "\n"
+        pids = S.tagged_pids(run_id)
+        assert p.pid in pids and len(pids) == 2  # the shim and the rank
+        (rank, pid), *more = S.ranks(pids)
+        assert (rank, more) == (5, []) and pid != p.pid and S.parent(pid) == p.pid
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
 
 
 def render_job(argv: list[str], env: dict[str, str], workdir: str, **kw: Any) -> str:
@@ -206,7 +240,7 @@ def test_mpirun_failure_names_the_failing_ranks_own_host_and_lines() -> None:
     # shim's exit mark): rank 2 is blamed, with its code, and its lines without the mark
     root.tail.extend(["mpirun noticed that process rank 0 with PID 0 on node node1 exited on signal 6 (Aborted)."])
     root.tail.remove("  Process name: [[48939,1],2]")
-    rank_tails = {0: deque(["Connection closed by peer [10.0.0.3]:1234", "@@nodeops-rank-exit 134 10.5"]),
-                  2: deque(["FAILING on purpose", "@@nodeops-rank-exit 7 10.1"])}  # fmt: skip
+    rank_tails = {0: deque(["Connection closed by peer [10.0.0.3]:1234", "@@nodeops-rank-exit 134 10.5 -"]),
+                  2: deque(["FAILING on purpose", "@@nodeops-rank-exit 7 10.1 -"])}  # fmt: skip
     blamed = failures.blame_mpi_rank(root, rank_tails, ["node1", "node2", "node3"])
     assert (blamed.host, blamed.exit_code, list(blamed.tail)) == ("node3 [rank2]", 7, ["FAILING on purpose"])

@@ -4,6 +4,7 @@ same Lines). The shipped file is run as the batch script runs it: python3, stdin
 
 from __future__ import annotations
 
+import math
 import string
 import subprocess
 import sys
@@ -51,9 +52,10 @@ def shipped(tmp_path: Path) -> Path:
 
 
 def run_split(tmp_path: Path, text: str, *nodes: str) -> subprocess.CompletedProcess[str]:
-    """As the batch script runs it (python3 -E -s: no user site, no PYTHON* variables)."""
+    """As the batch script runs it (python3 -I: no user site, no PYTHON* variables, no script dir
+    first on sys.path)."""
     (tmp_path / "logs").mkdir(exist_ok=True)
-    return subprocess.run([sys.executable, "-E", "-s", str(shipped(tmp_path)), str(tmp_path), *nodes], input=text,
+    return subprocess.run([sys.executable, "-I", str(shipped(tmp_path)), str(tmp_path), *nodes], input=text,
                           capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
 
 
@@ -83,26 +85,40 @@ def test_a_rank_a_signal_ended_is_named_with_its_shell_exit_code(tmp_path: Path)
 
 # What mpirun 4.1 printed in CI (trimmed) when rank 2 on node2 exited 1 at step 3: rank 1, on
 # mpirun's own node, lost its gloo peer and aborted, and mpirun heard of that first. The exit
-# marks are the MPI shim's (rank 2's came first).
+# marks are the MPI shim's (rank 3's is the earliest, but rank 3 lost a peer too).
 VICTIM_NAMED = """\
 [1,2]<stderr>:rank 2: failing on purpose at step 3
-[1,2]<stderr>:@@nodeops-rank-exit 1 1795629711.250000000
+[1,2]<stderr>:@@nodeops-rank-exit 1 1795629711.250000000 -
 [1,1]<stderr>:[rank1]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.220.0.12]:29877.
 [1,1]<stderr>:terminate called without an active exception
-[1,1]<stderr>:@@nodeops-rank-exit 134 1795629711.251000000
+[1,1]<stderr>:@@nodeops-rank-exit 134 1795629711.251000000 -
 [1,3]<stderr>:[rank3]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.220.0.12]:15772.
-[1,3]<stdout>:half a line[1,3]<stderr>:@@nodeops-rank-exit 1 1795629711.249000000
+[1,3]<stdout>:half a line[1,3]<stderr>:@@nodeops-rank-exit 1 1795629711.249000000 -
 --------------------------------------------------------------------------
 mpirun noticed that process rank 1 with PID 0 on node node1 exited on signal 6 (Aborted).
 --------------------------------------------------------------------------
 """
+# mpirun's other form of the same report: the shim ended with a code, not by the signal
+EXIT_FORM = """\
+--------------------------------------------------------------------------
+mpirun detected that one or more processes exited with non-zero status, thus causing
+the job to be terminated. The first process to do so was:
+
+  Process name: [[20161,1],1]
+  Exit code:    134
+--------------------------------------------------------------------------
+"""
 
 
-def test_a_rank_mpirun_names_that_only_lost_its_peer_gives_way_to_the_rank_that_failed_first(tmp_path: Path) -> None:
+@pytest.mark.parametrize("report", ["signal", "exit code"])
+def test_a_rank_mpirun_names_that_only_lost_its_peer_gives_way_to_the_rank_that_failed_first(
+    tmp_path: Path, report: str
+) -> None:
     """The CI failure of stop 38's resubmission: mpirun named rank 1 (signal 6), whose own lines say
     its peer closed the connection. Rank 2 failed without saying so: it is the first failure.
     Rank 3 lost a peer too, so its earlier mark does not count. The marks stay out of the logs."""
-    p = run_split(tmp_path, VICTIM_NAMED, "node1", "node1", "node2", "node3")
+    text = VICTIM_NAMED if report == "signal" else VICTIM_NAMED.split("-" * 74)[0] + EXIT_FORM
+    p = run_split(tmp_path, text, "node1", "node1", "node2", "node3")
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-1] == "nodeops: mpirun: first failure: rank 2 on node2 (exit code 1)"
     logs = {f.stem: f.read_text() for f in (tmp_path / "logs").iterdir()}
@@ -114,21 +130,30 @@ def test_a_rank_mpirun_names_that_only_lost_its_peer_gives_way_to_the_rank_that_
 def test_mpiruns_choice_stands_where_it_did_not_lose_a_peer_or_no_rank_failed_by_itself() -> None:
     report = "mpirun noticed that process rank 1 with PID 0 on node node1 exited on signal 9 (Killed)."
     lost = "RuntimeError: Connection reset by peer"
-    mark = "@@nodeops-rank-exit {} {}"
+
+    def mark(code: int, at: float, sig: str = "-") -> str:
+        return f"@@nodeops-rank-exit {code} {at} {sig}"
+
     # rank 1 did not lose a peer (the OOM killer, say): it stands, though rank 2 has an earlier mark
-    assert mpi_split.cause(report, {1: ["x", mark.format(137, 5)], 2: [mark.format(1, 4)]}) == (1, 137)
+    assert mpi_split.cause(report, {1: ["x", mark(137, 5)], 2: [mark(1, 4)]}) == (1, 137)
     # rank 1 lost a peer, but every other rank that failed did too: mpirun's choice stands
-    assert mpi_split.cause(report, {1: [lost, mark.format(134, 5)], 2: [lost, mark.format(1, 4)]}) == (1, 137)
+    assert mpi_split.cause(report, {1: [lost, mark(134, 5)], 2: [lost, mark(1, 4)]}) == (1, 137)
     # the earliest of those that failed by themselves; a mark of 0 is no failure
-    tails = {1: [lost], 2: [mark.format(1, 9)], 3: [mark.format(3, 7)], 0: [mark.format(0, 1)]}
+    tails = {1: [lost], 2: [mark(1, 9)], 3: [mark(3, 7)], 0: [mark(0, 1)]}
     assert mpi_split.cause(report, tails) == (3, 3)
     assert mpi_split.cause("no report", tails) is None  # mpirun named no rank: nothing to refine
-    # a rank the teardown's SIGTERM ended comes after one that ended by itself, whatever the clocks
-    tails = {1: [lost], 2: [mark.format(143, 1)], 3: [mark.format(3, 7)]}
-    assert mpi_split.cause(report, tails) == (3, 3)
-    assert mpi_split.cause(report, {1: [lost], 2: [mark.format(143, 1)]}) == (2, 143)  # as it ended
-    assert mpi_split.exited("abc@@nodeops-rank-exit 1 2.5") == ("abc", (1, 2.5))
-    assert mpi_split.exited("@@nodeops-rank-exit 1 x") == ("@@nodeops-rank-exit 1 x", None)  # not a mark
+    # one that ended before any outside signal comes first, whatever the clocks and codes: the
+    # OOM killer's 137 (no signal to the shim) beats a rank whose SIGTERM handler then exited 1
+    tails = {1: [lost], 2: [mark(137, 9)], 3: [mark(1, 7, "TERM")], 4: [mark(143, 1, "TERM")]}
+    assert mpi_split.cause(report, tails) == (2, 137)
+    # a rank the teardown ended is still named over a victim, with the code it ended with
+    assert mpi_split.cause(report, {1: [lost], 4: [mark(143, 1, "TERM")]}) == (4, 143)
+    # only the rank's last line is the shim's mark: a rank that printed one earlier did not end there
+    assert mpi_split.cause(report, {1: [lost], 5: [mark(1, 0), "later output"]}) == (1, 137)
+    # a node whose date gave no time: the mark still counts (after any with a time) and is hidden
+    assert mpi_split.exited("abc@@nodeops-rank-exit 1 - -") == ("abc", mpi_split.Exit(1, math.inf, False))
+    assert mpi_split.cause(report, {1: [lost], 2: ["@@nodeops-rank-exit 1 - -"], 3: [mark(3, 7)]}) == (3, 3)
+    assert mpi_split.exited("@@nodeops-rank-exit 1 x -") == ("@@nodeops-rank-exit 1 x -", None)  # not a mark
 
 
 def test_a_clean_run_adds_no_failure_line_and_appends_to_existing_logs(tmp_path: Path) -> None:
@@ -141,7 +166,7 @@ def test_a_clean_run_adds_no_failure_line_and_appends_to_existing_logs(tmp_path:
 
 def test_a_rank_beyond_the_map_and_bad_bytes_go_to_the_batch_log_unharmed(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
-    p = subprocess.run([sys.executable, "-E", "-s", str(shipped(tmp_path)), str(tmp_path), "node1"],
+    p = subprocess.run([sys.executable, "-I", str(shipped(tmp_path)), str(tmp_path), "node1"],
                        input=b"[1,5]<stdout>:odd \xff\n", capture_output=True, timeout=30, check=False)  # fmt: skip
     assert p.returncode == 0 and p.stdout.decode() == "[rank5]:odd \ufffd\n"
     assert not (tmp_path / "logs" / "node1.log").exists()

@@ -278,7 +278,7 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
     os.utime(path(P.HEARTBEAT))
     last_beat = time.monotonic()
     scan = LogScan()
-    recent: deque[str] = deque(maxlen=200)  # what the ranks printed before torchrun's failure line
+    recent: deque[str] = deque(maxlen=P.TAIL_LINES)  # what the ranks printed before torchrun's failure line
     agent_failed_said = False
     stopped = False
     buf = b""

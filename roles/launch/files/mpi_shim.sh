@@ -8,13 +8,30 @@ export PYTHONPATH="$d/hook${PYTHONPATH:+:$PYTHONPATH}" NODEOPS_PROGRESS_FILE="$d
 # Not exec: a rank that fails says how and when (mpi_split.EXITED), so that nodeops can name the
 # rank whose failure came first; mpirun names the first it heard of, often a rank that only lost
 # its peer. Open MPI signals the whole process group (this shell and the rank): the traps keep
-# the shell waiting for the rank, whose own exit is what counts (a trap's command runs once the
-# rank has ended; the rank gets every signal with its default disposition), and SIGKILL ends both.
+# the shell waiting for the rank, whose own exit is what counts, and note that a signal came
+# from outside (a trap's command runs once the rank has ended; the rank gets every signal with
+# its default disposition). SIGKILL ends both.
 # The shell's own stderr goes to /dev/null, so its words about a rank a signal ended
-# ("Terminated") are not the rank's output; the rank's stderr, and the line below, are fd 3.
-trap : HUP INT QUIT TERM USR1 USR2 ALRM
+# ("Terminated") are not the rank's output; the rank's stderr, and the mark below, are fd 3.
+sig=-
+for s in HUP INT QUIT TERM USR1 USR2 ALRM ABRT; do
+  # shellcheck disable=SC2064  # $s now, $sig when the trap runs
+  trap "[ \"\$sig\" != - ] || sig=$s" "$s"
+done
 exec 3>&2 2>/dev/null
 (exec 2>&3 3>&-; exec "$@")
 rc=$?
-[ "$rc" -eq 0 ] || printf '@@nodeops-rank-exit %s %s\n' "$rc" "$(date +%s.%N)" >&3
+[ "$rc" -ne 0 ] || exit 0
+# the time, with the group's signals ignored (a teardown's SIGTERM must not cut the mark short)
+t=$(trap '' HUP INT QUIT TERM USR1 USR2 ALRM ABRT; date +%s.%N)
+case $t in '' | *[!0-9.]*) t=- ;; esac
+printf '@@nodeops-rank-exit %s %s %s\n' "$rc" "$t" "$sig" >&3
+# A rank a signal ended: the shell ends by the same signal (no core file of its own), so mpirun
+# reports it as before ("exited on signal N") and aborts the job as it would.
+if [ "$rc" -gt 128 ] && [ "$rc" -lt 160 ]; then
+  # shellcheck disable=SC3045  # not POSIX, but dash, bash and busybox sh have it (an error otherwise goes to /dev/null)
+  ulimit -c 0
+  trap - "$((rc - 128))"
+  kill -s "$((rc - 128))" "$$"
+fi
 exit "$rc"

@@ -63,6 +63,9 @@ PEER_LOST = re.compile(
     r"Connection (?:closed|reset) by peer|remote worker crash|remote process exited|communicator was aborted"
     r"|[Ww]atchdog caught collective operation timeout|DistNetworkError|Failed to recv"
 )
+# Lines of each host's (or, under mpirun, each rank's) output kept to judge a failure: torchrun's
+# failure summary and shutdown alone is ~40 lines; keep the rank's last words too
+TAIL_LINES = 200
 ROOT_CAUSE_WINDOW = 5.0  # seconds after the first failure in which a likelier root cause replaces it
 # When the first report is a victim's (its ranks lost a peer), the teardown waits this long for the
 # host whose own rank failed to report: stopped first, that host would lose its own exit code.

@@ -43,6 +43,7 @@ MARK = "@@nodeops-stack "  # agent.py stacks: one JSON document per rank, on thi
 NONE_MARK = "@@nodeops-stack-none "  # agent.py stacks: no rank of the run runs here (why)
 METHODS = ("auto", "py-spy", "signal")
 TAG_VAR = "NODEOPS_RUN_ID"  # in the environment of every process of a run (protocol.TAG_VAR)
+SHIM = "mpi_shim.sh"  # runner mpirun: the shell each rank runs under (never the rank itself)
 
 # The ranks' sitecustomize.py. Written into hook/ by start.sh; never raises (a rank must start
 # whatever happens here); then runs the sitecustomize it hides, if any.
@@ -185,10 +186,22 @@ def argv0(pid: int) -> str:
         return ""
 
 
+def is_shim(pid: int) -> bool:
+    """The MPI shim's shell (``sh .../mpi_shim.sh python3 ...``): RANK may be in its environment
+    too (a spec's env forwarded by mpirun), but its child is the rank."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return False
+    return len(argv) > 1 and os.path.basename(argv[1].decode(errors="replace")) == SHIM
+
+
 def ranks(pids: list[int]) -> list[tuple[int, int]]:
     """(rank, pid) of each rank among the run's processes here: a process with RANK in its
-    environment whose parent is not the same rank (a DataLoader worker inherits its rank's env)."""
-    envs = {pid: environ(pid) for pid in pids}
+    environment whose parent is not the same rank (a DataLoader worker inherits its rank's env),
+    and not the MPI shim (:func:`is_shim`)."""
+    envs = {pid: environ(pid) for pid in pids if not is_shim(pid)}
     out = []
     for pid, env in envs.items():
         rank = env.get("RANK", "")

@@ -19,16 +19,18 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 if __package__:
     from . import protocol as P
-else:  # shipped: protocol.py lies beside this file in the run dir
+else:  # shipped: protocol.py lies beside this file in the run dir (run with -I: appended, the stdlib first)
+    sys.path.append(os.path.dirname(os.path.abspath(__file__)))
     import protocol as P  # type: ignore[import-not-found,no-redef]
 
 TAG = re.compile(r"\[\d+,(\d+)\]<std(?:out|err)>:")
@@ -46,11 +48,11 @@ CHUNK = 1 << 16  # bytes read at a time
 MAX_LINE = 1 << 20  # bytes without a newline that are written out as a line anyway
 FAILURE = re.compile(r"nodeops: mpirun: first failure: rank (\d+) on (\S+) \(exit code (-?\d+)\)")
 # The MPI shim's last line on a rank's stderr when the rank exits non-zero: its code (a signal
-# as 128 + N) and when, in seconds since the epoch. At the end of a rank's line: a piece of the
-# rank's own output without its newline may come first.
-EXITED = re.compile(r"@@nodeops-rank-exit (\d+) (\d+(?:\.\d+)?)$")
-TAIL = 50  # lines of each rank kept to tell whether it lost a peer
-TEARDOWN_CODES = (128 + 15, 128 + 9)  # SIGTERM, SIGKILL: how mpirun's teardown ends a rank
+# as 128 + N), when (seconds since the epoch; "-" where the node's date could not say) and the
+# first signal the shim got from outside while it waited ("-": none; mpirun's teardown sends
+# SIGTERM to the whole group). At the end of a rank's line: a piece of the rank's own output
+# without its newline may come first.
+EXITED = re.compile(r"@@nodeops-rank-exit (\d+) (\d+(?:\.\d+)?|-) ([A-Z0-9]+|-)$")
 
 
 def pieces(line: str, tag: re.Pattern[str] = TAG) -> tuple[str, list[tuple[int, str]]]:
@@ -134,24 +136,33 @@ def first_failure(text: str) -> tuple[int, int | None] | None:
     return (int(s.group(1)), 128 + int(s.group(2))) if s else None
 
 
-def exited(text: str) -> tuple[str, tuple[int, float] | None]:
-    """A rank's line without the MPI shim's exit mark, and the mark's (code, time), if any."""
+class Exit(NamedTuple):
+    """A rank's exit, as the MPI shim marked it."""
+
+    code: int
+    at: float  # inf where the node's date gave no time
+    signalled: bool  # a signal came from outside (the group's) before the rank ended
+
+
+def exited(text: str) -> tuple[str, Exit | None]:
+    """A rank's line without the MPI shim's exit mark, and the mark, if any."""
     m = EXITED.search(text)
     if m is None:
         return text, None
-    return text[: m.start()], (int(m.group(1)), float(m.group(2)))
+    at = float(m.group(2)) if m.group(2) != "-" else math.inf
+    return text[: m.start()], Exit(int(m.group(1)), at, m.group(3) != "-")
 
 
-def cause(text: str, tails: Mapping[int, Iterable[str]]) -> tuple[int, int | None] | None:
+def cause(text: str, tails: Mapping[int, Sequence[str]]) -> tuple[int, int | None] | None:
     """(rank, exit code) of the rank whose failure started it. mpirun names the first failed rank
     it heard of, which is often one that only lost its peer: a rank on mpirun's own node, say,
     whose collective call failed ("Connection closed by peer") before the news of the real
     failure arrived from another node. When the rank mpirun names printed that it lost a peer,
-    the earliest rank that failed without saying so (by the shim's exit marks in ``tails``, each
-    rank's last lines) is named instead; with none, mpirun's. A rank that SIGTERM or SIGKILL
-    ended (mpirun's teardown, most likely) comes after one that ended by itself: the marks'
-    times come from each node's own clock. Its code is the one it ended with (143, say), not a
-    code it might have exited with had the teardown not come first."""
+    the rank that failed without saying so is named instead (by the shim's exit mark, each
+    rank's last line in ``tails``, its last lines); with none, mpirun's. Among them, one that
+    ended before any signal came from outside comes first (a rank mpirun's teardown stopped
+    comes after), then the earliest: the times come from each node's own clock. A rank is
+    named with the code it ended with (143 where the teardown ended it first)."""
     named = first_failure(text)
     if named is None:
         return None
@@ -161,8 +172,11 @@ def cause(text: str, tails: Mapping[int, Iterable[str]]) -> tuple[int, int | Non
 
     if not lost_peer(named[0]):
         return named
-    own = [(mark[0] in TEARDOWN_CODES, mark[1], rank, mark[0]) for rank, lines in tails.items() if not lost_peer(rank)
-           for mark in [exited(line)[1] for line in lines] if mark is not None and mark[0] != 0]  # fmt: skip
+    own = []
+    for rank, lines in tails.items():
+        mark = exited(lines[-1])[1] if lines else None  # the shim's mark is the rank's last line
+        if mark is not None and mark.code != 0 and not lost_peer(rank):
+            own.append((mark.signalled, mark.at, rank, mark.code))
     if not own:
         return named
     *_, rank, code = min(own)
@@ -192,7 +206,7 @@ def split(read: Callable[[int], bytes], out: TextIO, run_dir: str, rank_nodes: S
 
         def put(rank: int | None, text: str) -> None:
             if rank is not None:
-                tails.setdefault(rank, collections.deque(maxlen=TAIL)).append(text)
+                tails.setdefault(rank, collections.deque(maxlen=P.TAIL_LINES)).append(text)
                 text, mark = exited(text)
                 if mark is not None and not text:
                     return
