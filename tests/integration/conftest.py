@@ -96,6 +96,7 @@ def project(sandbox_cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathF
     d = tmp_path_factory.mktemp("project")
     (d / "train.py").write_text("print('train')\n")
     shutil.copy(ROOT / "examples" / "ddp_train.py", d / "ddp_train.py")
+    (d / "linger.py").write_text(LINGER)  # test_launch's mpirun test
     (d / "data").mkdir()
     (d / "data" / "config.json").write_text('{"lr": 0.001}\n')
     (d / ".git").mkdir()
