@@ -53,8 +53,8 @@ def blame_mpi_rank(root: HostState, rank_tails: dict[int, deque[str]], rank_host
     """mpirun reports the first rank that failed ("Process name: [[job,1],R]", "Exit code: N"):
     name that rank's own host, with that rank's own lines, instead of mpirun's host; or the rank
     that failed by itself first, where mpirun's only lost its peer (mpi_split.cause)."""
-    failed = M.cause("\n".join(root.tail), rank_tails)
-    if failed is None or not rank_hosts:
+    failed = M.cause("\n".join(root.tail), rank_tails) if rank_hosts else None
+    if failed is None:
         return root
     rank, code = failed
     host = rank_hosts[rank] if rank < len(rank_hosts) else root.host

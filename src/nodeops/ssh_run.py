@@ -430,13 +430,15 @@ def follow(
     hang = (result or {}).get("hang") if (result or {}).get("outcome") == "hung" else None
     if not interrupted and not stopped and hang is None:
         first = (result or {}).get("first_failure")
-        root = root_cause(list(states.values()), named=first["host"] if first else "")
-        # under mpirun, its report and the ranks' exit marks name the rank (blame_mpi_rank)
-        blamed = blame_mpi_rank(root, rank_tails, rank_hosts) if root is not None else None
-        if blamed is root:  # no rank named: a peer that gloo says went away may be the cause (pdsh)
+        named = first["host"] if first else ""
+        root = None
+        if rank_hosts:  # mpirun: its report and the ranks' exit marks name the rank
+            mpirun_state = root_cause(list(states.values()), named=named)
+            root = blame_mpi_rank(mpirun_state, rank_tails, rank_hosts) if mpirun_state is not None else None
+            root = None if root is mpirun_state else root  # it named no rank
+        if root is None:  # a peer that gloo says went away may be the cause (pdsh)
             blame_peers(states, remote_tails, addresses or {})
-            blamed = root_cause(list(states.values()), named=first["host"] if first else "")
-        root = blamed
+            root = root_cause(list(states.values()), named=named)
         if root is None and first:  # the supervisor saw what the logs did not (a lost host, say)
             root = states.setdefault(first["host"], HostState(first["host"]))
             root.exit_code = first.get("code") or -1
