@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from _bench import NODEOPS, need_wheels, set_up_project, sh, time_in_marker  # noqa: E402  (bench/, beside this script)
 
-from nodeops import sandbox  # noqa: E402
+from nodeops.sandbox import cluster as sandbox  # noqa: E402
 
 NAME = "benchr"
 SUBNET = "10.223.0.0/24"

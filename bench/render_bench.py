@@ -63,8 +63,8 @@ def main() -> int:
         render_t = best([nodeops, "render", str(spec), "-o", str(tmp / "out")], args.runs)
 
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-        from nodeops.loading import load_spec
-        from nodeops.render import render
+        from nodeops.setup.render import render
+        from nodeops.spec.loading import load_spec
 
         inproc = []
         for _ in range(args.runs):

@@ -44,7 +44,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from nodeops import sandbox  # noqa: E402
+from nodeops.sandbox import cluster as sandbox  # noqa: E402
 
 NAME = "scale"
 SUBNET = "10.218.0.0/24"

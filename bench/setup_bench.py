@@ -23,10 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from nodeops import runner, sandbox  # noqa: E402
-from nodeops.loading import load_spec  # noqa: E402
-from nodeops.render import inventory  # noqa: E402
 from nodeops.resources import data_dir  # noqa: E402
+from nodeops.sandbox import cluster as sandbox  # noqa: E402
+from nodeops.setup import runner  # noqa: E402
+from nodeops.setup.render import inventory  # noqa: E402
+from nodeops.spec.loading import load_spec  # noqa: E402
 
 NAME = "bench"
 SUBNET = "10.217.0.0/24"

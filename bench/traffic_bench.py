@@ -43,7 +43,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from nodeops import sandbox  # noqa: E402
+from nodeops.sandbox import cluster as sandbox  # noqa: E402
 
 NAME = "traffic"
 SUBNET = "10.219.0.0/24"

@@ -2,7 +2,7 @@
 """Write the generated reference pages of the docs site, or check that they are current.
 
 - ``docs/reference/spec.md``: every field of the resource spec, from the pydantic schema
-  (``nodeops.spec.json_schema()``, what ``nodeops schema`` prints).
+  (``nodeops.spec.model.json_schema()``, what ``nodeops schema`` prints).
 - ``docs/reference/cli.md``: every command and option, from the typer app (typer's own
   ``typer MODULE utils docs``).
 
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nodeops.spec import json_schema
+from nodeops.spec.model import json_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "reference"

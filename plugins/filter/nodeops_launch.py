@@ -4,7 +4,7 @@
     {{ launch_argv | nodeops.cluster.nodeops_launch_run(ansible_play_hosts_all, hostvars, ...) }}
 
 Returns the same structure the nodeops CLI passes to the role as ``launch_run``
-(``nodeops.starter.run_vars``): run id, chief, runner, the launch protocol's markers, the
+(``nodeops.backends.starter.run_vars``): run id, chief, runner, the launch protocol's markers, the
 supervisor's run.json, each host's job.sh inputs, and the controller record that
 ``nodeops status/logs/stop`` read. The commands come from ``module_utils/nodeops_launch.py``, the
 code the CLI plans with.

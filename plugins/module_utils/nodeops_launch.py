@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """What each host runs to start training: the launch plan, stdlib only.
 
-One implementation for both ways of launching: the nodeops CLI (``nodeops.launchers`` maps a
+One implementation for both ways of launching: the nodeops CLI (``nodeops.launch.launchers`` maps a
 resource spec onto :func:`plan`) and the collection's ``launch`` role (its
 ``nodeops_launch_run`` filter maps an inventory onto it). Commands are argv lists, never shell
 strings: the job script template quotes each element, so user arguments reach the training
@@ -151,7 +151,7 @@ def run_dir(run_id: str) -> str:
 # torchrun's prefix of each rank's echoed lines. It starts with an ASCII record separator, which
 # no one prints: torchrun's tee can cut a rank's line in two (it echoes the start of a line the
 # rank is still writing), and only this mark tells its cuts from a rank's own "[rank3]:" text.
-# Readers make the lines whole and show them as "[rankN]:" (nodeops.launch.mpi_split.RankLines).
+# Readers make the lines whole and show them as "[rankN]:" (nodeops.node.mpi_split.RankLines).
 RANK_PREFIX = "\x1e[rank${rank}]:"
 # torchrun echoes every rank's stdout and stderr into its own, each line with RANK_PREFIX
 # (the ssh path's job.sh and the Slurm batch script alike)

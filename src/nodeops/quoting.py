@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import re
+import shlex
 from collections.abc import Callable
 from typing import Any
 
@@ -140,3 +141,32 @@ _AnsibleLoader.add_constructor("!unsafe", lambda loader, node: loader.construct_
 def load_ansible_yaml(text: str) -> Any:
     """Read YAML written by :func:`ansible_yaml` back (``!unsafe`` strings as plain strings)."""
     return yaml.load(text, Loader=_AnsibleLoader)
+
+
+def ssh_args_options(args: str) -> dict[str, str]:
+    """The ssh options in an Ansible ``ansible_ssh_common_args``/``ansible_ssh_extra_args`` string
+    that decide how a host is reached: ``-o Key=Value`` / ``-o Key Value`` / ``-oKey=Value``,
+    ``-J`` (ProxyJump), ``-i`` (IdentityFile), ``-p`` (Port), ``-l`` (User). Keys are OpenSSH's canonical
+    spelling, lowercased; the first of each wins, as in ssh."""
+
+    out: dict[str, str] = {}
+    words = shlex.split(args)
+    flags = {"-J": "proxyjump", "-i": "identityfile", "-p": "port", "-l": "user"}
+    i = 0
+    while i < len(words):
+        w = words[i]
+        key, value = "", ""
+        if w == "-o" and i + 1 < len(words):
+            key, _, value = words[i + 1].replace("=", " ", 1).partition(" ")
+            i += 1
+        elif w.startswith("-o") and len(w) > 2:
+            key, _, value = w[2:].replace("=", " ", 1).partition(" ")
+        elif w in flags and i + 1 < len(words):
+            key, value = flags[w], words[i + 1]
+            i += 1
+        elif w[:2] in flags and len(w) > 2:  # -lml, -p2222: ssh takes the value attached too
+            key, value = flags[w[:2]], w[2:]
+        if key:
+            out.setdefault(key.strip().lower(), value.strip())
+        i += 1
+    return out

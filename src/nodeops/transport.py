@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from nodeops.launch import protocol as P
+from nodeops.node import protocol as P
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)

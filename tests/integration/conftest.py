@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
+from nodeops.sandbox import cluster as sandbox
 
 ROOT = Path(__file__).resolve().parents[2]
 NODEOPS = str(Path(sys.executable).parent / "nodeops")

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from nodeops import sandbox
+from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, SECRET, WORKDIR, ssh
 

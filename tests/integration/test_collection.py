@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
+from nodeops import _shell
+from nodeops.launch import plan
+from nodeops.node import agent, protocol, recovery, stacks, supervisor
 from nodeops.quoting import ansible_yaml
+from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, ROOT, WORKDIR
 from .test_launch import CLEAN, leftovers, no_leftovers_within
@@ -46,6 +49,19 @@ def collections(tmp_path_factory: pytest.TempPathFactory) -> Path:
             d / "collections", tarball, cwd=d)  # fmt: skip
     assert p.returncode == 0, p.stderr
     return d / "collections"
+
+
+def test_the_built_collection_carries_the_packages_bytes(collections: Path) -> None:
+    """What the package imports and ships from the collection (its links, docs/design.md
+    "Layout") arrives in the built and installed collection as the same bytes, not as a link."""
+    installed = collections / "ansible_collections" / "nodeops" / "cluster"
+    pairs = [(_shell, "plugins/module_utils/nodeops_shell.py"), (plan, "plugins/module_utils/nodeops_launch.py"),
+             *((m, f"roles/launch/files/{m.__name__.rsplit('.', 1)[1]}.py")
+               for m in (agent, protocol, recovery, stacks, supervisor))]  # fmt: skip
+    for module, rel in pairs:
+        shipped = installed / rel
+        assert shipped.is_file() and not shipped.is_symlink(), rel
+        assert shipped.read_bytes() == Path(str(module.__file__)).read_bytes(), rel
 
 
 def plain_env(collections: Path) -> dict[str, str]:

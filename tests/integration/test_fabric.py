@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
+from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, SECRET
 from .test_launch import CLEAN, controller_leftovers, no_leftovers_within

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from nodeops import sandbox
+from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, SECRET
 from .test_launch import CLEAN, leftovers

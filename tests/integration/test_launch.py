@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
+from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, SECRET, ssh
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
+from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, ROOT, SECRET, own_sandbox, setup, wheelhouse
 from .test_launch import HELPERS, controller_leftovers, leftovers

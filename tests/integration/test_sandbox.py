@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from nodeops import sandbox
 from nodeops.cli import app
-from nodeops.loading import load_spec
+from nodeops.sandbox import cluster as sandbox
+from nodeops.spec.loading import load_spec
 
 from .conftest import free_subnet, subnet_of
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
 from nodeops.resources import nodeops_home
+from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, SECRET, USER_KEY_LINE, WORKDIR, setup, ssh, subnet_of, wheelhouse
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
+from nodeops.sandbox import cluster as sandbox
 from tests.integration.conftest import (
     DS_VERSION,
     LINGER,

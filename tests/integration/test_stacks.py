@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
+from nodeops.sandbox import cluster as sandbox
 
 from .conftest import one_group_stacks
 from .test_launch import CLEAN, _cli, controller_leftovers, launch, no_leftovers_within, variant_spec

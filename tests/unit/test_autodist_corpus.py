@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from nodeops.errors import SpecError
-from nodeops.loading import load_spec
-from nodeops.spec import LEGACY_GROUP
+from nodeops.spec.loading import load_spec
+from nodeops.spec.model import LEGACY_GROUP
 
 from ..conftest import PEERS
 
@@ -59,7 +59,7 @@ def test_missing_key_file_is_a_warning_naming_the_path(tmp_path: Path) -> None:
     missing = tmp_path / "no_such_key"
     spec = tmp_path / "r1.yml"
     spec.write_text((CORPUS / "r1.yml").read_text().replace("/root/.ssh/id_rsa", str(missing)))
-    from nodeops.render import controller_issues
+    from nodeops.setup.render import controller_issues
 
     loaded = load_spec(spec)
     assert loaded.warnings == []  # the spec is valid; this machine lacks the key (what validate warns about):

@@ -12,16 +12,17 @@ from typing import Any, ClassVar
 import pytest
 from typer.testing import CliRunner
 
-from nodeops import backends, store
+from nodeops import backends
+from nodeops.backends import store
 from nodeops.backends.base import OPTION_OF, Backend, Capabilities, DryRun, LaunchRequest, RunState
-from nodeops.check import Report
+from nodeops.check.preflight import Report
 from nodeops.cli import app
 from nodeops.errors import ExitWith, SpecError, UsageError
 from nodeops.lifecycle import control
 from nodeops.lifecycle import launch as launch_flow
 from nodeops.lifecycle import runs as runs_flow
-from nodeops.spec import LoadedSpec
-from nodeops.spec_load import load_spec_text
+from nodeops.spec.load import load_spec_text
+from nodeops.spec.model import LoadedSpec
 
 from ..conftest import ROOT
 

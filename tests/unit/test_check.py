@@ -17,8 +17,9 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nodeops import check, probe
-from nodeops.spec_load import load_spec_text
+from nodeops.check import preflight as check
+from nodeops.node import probe
+from nodeops.spec.load import load_spec_text
 
 DATA = Path(__file__).parent / "data"
 SPEC = """

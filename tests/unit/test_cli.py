@@ -192,7 +192,7 @@ def test_status_of_an_unknown_run_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_mpirun_tagged_lines_get_the_ranks_host(capsys: pytest.CaptureFixture[str]) -> None:
-    from nodeops.backends.ssh import emitter
+    from nodeops.backends.ssh.backend import emitter
     from nodeops.cli.app import emit_line
 
     emit = emitter(["node1", "node2", "node2"], None, emit_line)
@@ -222,7 +222,7 @@ def test_mpirun_tagged_lines_get_the_ranks_host(capsys: pytest.CaptureFixture[st
 
 
 def test_deepspeed_pdsh_lines_get_the_nodes_host(capsys: pytest.CaptureFixture[str]) -> None:
-    from nodeops.backends.ssh import emitter
+    from nodeops.backends.ssh.backend import emitter
     from nodeops.cli.app import emit_line
 
     emit = emitter([], {"10.0.0.12": "node2"}, emit_line)
@@ -232,7 +232,7 @@ def test_deepspeed_pdsh_lines_get_the_nodes_host(capsys: pytest.CaptureFixture[s
 
 
 def test_pdsh_exit_report_names_the_failed_node() -> None:
-    from nodeops.failures import pdsh_failure
+    from nodeops.node.failures import pdsh_failure
 
     hosts = {"10.0.0.13": "node3"}
     assert pdsh_failure("pdsh@node1: 10.0.0.13: ssh exited with exit code 1", hosts) == ("node3", 1)
@@ -280,7 +280,8 @@ def test_a_bad_or_unknown_run_id_is_usage_exit_2(tmp_path: Path, command: str, r
 
 
 def test_launch_exit_code_is_the_ranks_except_nodeops_own_codes() -> None:
-    from nodeops import failures, ssh_run
+    from nodeops.backends.ssh import run as ssh_run
+    from nodeops.node import failures
 
     def code(rank_code: int) -> int:
         return ssh_run.JobResult("r", {}, failures.HostState("node2", exit_code=rank_code), False, None).exit_code
@@ -342,8 +343,8 @@ def test_setup_names_missing_controller_inputs_before_any_host(tmp_path: Path) -
     )
     assert "wheelhouse" not in r.stderr, r.stderr
     # a role that does not run under --tags reads nothing: only ssh_mesh's key is asked for
-    from nodeops.loading import load_spec
-    from nodeops.render import controller_issues
+    from nodeops.setup.render import controller_issues
+    from nodeops.spec.loading import load_spec
 
     found = controller_issues(load_spec(spec), {}, setup=True, tags=["ssh_mesh"])
     assert ["mesh.key_file" in str(i) for i in found] == [True], found
@@ -407,8 +408,8 @@ def test_every_role_input_rule_is_accounted_for() -> None:
 @pytest.mark.parametrize("rule", sorted(ROLE_RULE_BREAKERS))
 def test_nodeops_refuses_what_each_skipped_role_input_check_would(tmp_path: Path, rule: str) -> None:
     from nodeops.errors import SpecError
-    from nodeops.loading import load_spec
-    from nodeops.render import require_controller_files
+    from nodeops.setup.render import require_controller_files
+    from nodeops.spec.loading import load_spec
 
     spec = tmp_path / "c.yaml"
     spec.write_text("nodes:\n  - {address: 10.9.0.1, chief: true}\n" + ROLE_RULE_BREAKERS[rule])
@@ -417,8 +418,8 @@ def test_nodeops_refuses_what_each_skipped_role_input_check_would(tmp_path: Path
 
 
 def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
-    from nodeops.loading import load_spec
-    from nodeops.render import ssh_config
+    from nodeops.setup.render import ssh_config
+    from nodeops.spec.loading import load_spec
 
     def control_path(spec: Path) -> str:
         return next(ln.split()[1] for ln in ssh_config(load_spec(spec)).splitlines() if "ControlPath" in ln)
@@ -439,7 +440,7 @@ def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
 
 
 def test_runner_control_dir_changes_with_the_pins(tmp_path: Path) -> None:
-    from nodeops.runner import connection_identity
+    from nodeops.setup.runner import connection_identity
 
     pins = tmp_path / "kh"
     pins.write_text("10.9.0.1 ssh-ed25519 AAAA\n")
@@ -455,7 +456,7 @@ def test_runner_control_dir_changes_with_the_pins(tmp_path: Path) -> None:
 
 
 def test_unreachable_reason_is_ssh_own_line() -> None:
-    from nodeops.runner import _event_error
+    from nodeops.setup.runner import _event_error
 
     # Ansible's ssh connection plugin, as CI saw it for a stopped node
     msg = ('Data could not be sent to remote host "10.214.0.13". Make sure this host can be reached over ssh: '
@@ -482,7 +483,7 @@ def test_check_refuses_a_timeout_below_one_second(value: str) -> None:
 
 
 def test_check_values_never_read_none() -> None:
-    from nodeops.check import shown
+    from nodeops.check.preflight import shown
 
     assert (
         shown(None) == "unknown" and shown(None, "none (CPU build)") == "none (CPU build)" and shown("12.1") == "12.1"

@@ -33,8 +33,8 @@ def test_the_collection_needs_no_nodeops_package() -> None:
                 offenders.append(str(p.relative_to(ROOT)))
     assert offenders == []
     for link, target in [("src/nodeops/_shell.py", "plugins/module_utils/nodeops_shell.py"),
-                         ("src/nodeops/_launch_plan.py", "plugins/module_utils/nodeops_launch.py"),
-                         *((f"src/nodeops/launch/{f}", f"roles/launch/files/{f}")
+                         ("src/nodeops/launch/plan.py", "plugins/module_utils/nodeops_launch.py"),
+                         *((f"src/nodeops/node/{f}", f"roles/launch/files/{f}")
                            for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py",
                                      "supervisor.py"))]:  # fmt: skip
         assert (ROOT / link).is_symlink() and (ROOT / link).resolve() == (ROOT / target).resolve(), link

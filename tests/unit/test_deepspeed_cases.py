@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nodeops import deepspeed
 from nodeops.errors import SpecError
+from nodeops.spec import deepspeed
 
 from ..conftest import PEERS
 

@@ -14,7 +14,7 @@ from typing import Any
 import typer
 
 from nodeops.cli import app
-from nodeops.spec import json_schema
+from nodeops.spec.model import json_schema
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC_REF = ROOT / "docs" / "reference" / "spec.md"

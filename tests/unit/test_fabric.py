@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import fabric, fabric_probe
-from nodeops.backends.slurm import fabric_files
-from nodeops.loading import load_spec
+from nodeops.backends.slurm.backend import fabric_files
+from nodeops.node import fabric, fabric_probe
+from nodeops.spec.loading import load_spec
 
 GIB = 1 << 30
 
@@ -249,7 +249,7 @@ def test_interfaces_from_nccl_win_over_the_env() -> None:
 
 def test_spec_thresholds_are_validated_with_their_line(tmp_path: Path) -> None:
     from nodeops.errors import SpecError
-    from nodeops.loading import load_spec
+    from nodeops.spec.loading import load_spec
 
     spec = tmp_path / "c.yaml"
     spec.write_text("nodes:\n  - {address: 10.0.0.1, chief: true}\nnetwork:\n  fabric:\n    max_pair_spread: 1.5\n")
@@ -270,7 +270,7 @@ def cluster_spec(tmp_path: Path) -> Path:
 def fake_check(monkeypatch: pytest.MonkeyPatch, status: str) -> None:
     """check's own rows (which need a cluster) replaced by a fixed report: this tests the CLI's
     flow around --fabric, not the probe (tests/integration/test_fabric.py runs it for real)."""
-    from nodeops import check
+    from nodeops.check import preflight as check
 
     rows = [check.Row(h, "ssh", status, "fixed") for h in ("10.9.0.1", "10.9.0.2")]
     monkeypatch.setattr(check, "run", lambda *a, **k: None)
@@ -298,8 +298,8 @@ def test_fabric_failure_is_exit_1_and_json_status_fail(tmp_path: Path, monkeypat
     from typer.testing import CliRunner
 
     from nodeops.cli import app
-    from nodeops.fabric import FabricError
     from nodeops.lifecycle import check as check_flow
+    from nodeops.node.fabric import FabricError
 
     slow = fabric.evaluate(doc(["a", "b", "c"], {(0, 1): 1.0, (1, 2): 1.0, (2, 0): 0.01}))
     monkeypatch.setattr(check_flow, "run_fabric", lambda *a, **k: slow)
@@ -339,7 +339,7 @@ def gate_dir(tmp_path: Path) -> Path:
 def run_gate(run: Path, *logs: Path) -> subprocess.CompletedProcess[str]:
     # the system's python3, -s: no user site; PYTHONPATH the gate package only (the venv's nodeops
     # is not importable from there), as on a batch node without nodeops
-    return subprocess.run(["/usr/bin/python3", "-s", "-m", "nodeops.fabric", str(run / "fabric.json"),
+    return subprocess.run(["/usr/bin/python3", "-s", "-m", "nodeops.node.fabric", str(run / "fabric.json"),
                            str(run / "fabric.doc.json"), str(run / "fabric.report.json"), *map(str, logs)],
                           env={"PYTHONPATH": str(run / "fabric-gate"), "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip

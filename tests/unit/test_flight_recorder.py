@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import launchers
-from nodeops.launch import stacks as S
-from nodeops.spec_load import load_spec_text
+from nodeops.launch import launchers
+from nodeops.node import stacks as S
+from nodeops.spec.load import load_spec_text
 
 GPU = """
 nodes:

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import check, gpus, launchers
+from nodeops.check import preflight as check
 from nodeops.errors import SpecError
-from nodeops.render import hostfile
-from nodeops.spec_load import load_spec_text
+from nodeops.launch import launchers
+from nodeops.setup import gpus
+from nodeops.setup.render import hostfile
+from nodeops.spec.load import load_spec_text
 
 SPEC = """
 name: auto-test

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import inventory_source
 from nodeops.errors import SpecError
-from nodeops.loading import load_spec
-from nodeops.render import render
+from nodeops.setup.render import render
+from nodeops.spec import inventory as inventory_source
+from nodeops.spec.loading import load_spec
 
 YAML_INV = """\
 all:

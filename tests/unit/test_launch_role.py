@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 
-from nodeops import launchers, starter, store
-from nodeops.backends.ssh import supervised_hosts
+from nodeops.backends import starter, store
+from nodeops.backends.ssh.backend import supervised_hosts
 from nodeops.errors import NodeopsError
-from nodeops.quoting import ansible_yaml
-from nodeops.render import ssh_args_options, ssh_target_from_record
+from nodeops.launch import launchers
+from nodeops.quoting import ansible_yaml, ssh_args_options
 from nodeops.resources import collections_path, data_dir
-from nodeops.spec_load import load_spec_text
+from nodeops.setup.render import ssh_target_from_record
+from nodeops.spec.load import load_spec_text
 
 RUN_ID = "20261123-101500-ab12"
 HOSTILE = ["train.py", "{{ lookup('pipe', 'id') }}", "a b", "$(touch /tmp/pwned)", "'\"", "@x", "--lr=1e-3"]
@@ -59,7 +60,7 @@ def _filter_module() -> Any:
 
 
 def cli_run(spec_text: str) -> dict[str, Any]:
-    from nodeops import _launch_plan
+    from nodeops.launch import plan as _launch_plan
 
     loaded = load_spec_text(spec_text)
     plan = launchers.plan(loaded.spec, HOSTILE, RUN_ID, shim_path=f"@@HOME@@/.nodeops/runs/{RUN_ID}/mpi_shim.sh")

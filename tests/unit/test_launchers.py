@@ -14,9 +14,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeops import launchers, starter
-from nodeops.launch import mpi_split
-from nodeops.spec_load import load_spec_text
+from nodeops.backends import starter
+from nodeops.launch import launchers
+from nodeops.node import mpi_split
+from nodeops.spec.load import load_spec_text
 
 SPEC = """
 nodes:
@@ -138,7 +139,7 @@ def test_mpi_shim_marks_a_failed_ranks_exit_and_waits_for_a_signalled_rank(tmp_p
 def test_stacks_finds_the_rank_under_the_mpi_shim_not_the_shim(tmp_path: Path) -> None:
     """`nodeops stacks` and the hang watchdog pick each rank by RANK in its environment; the shim's
     shell may carry RANK too (a spec's env forwarded by mpirun -x): its child is the rank."""
-    from nodeops.launch import stacks as S
+    from nodeops.node import stacks as S
 
     shim = tmp_path / S.SHIM
     shim.write_text(launchers.mpi_shim())
@@ -219,7 +220,7 @@ def test_mpirun_failure_names_the_failing_ranks_own_host_and_lines() -> None:
     """mpirun runs on node1, but rank 2 on node3 failed: name node3 and rank 2's own lines."""
     from collections import deque
 
-    from nodeops import failures
+    from nodeops.node import failures
 
     root = failures.HostState("node1", exit_code=1)
     root.tail.extend([

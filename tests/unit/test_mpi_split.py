@@ -14,10 +14,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeops import _launch_plan
-from nodeops import slurm_failures as SF
-from nodeops.launch import mpi_split
-from nodeops.launch import protocol as P
+from nodeops.launch import plan as _launch_plan
+from nodeops.node import mpi_split
+from nodeops.node import protocol as P
+from nodeops.node import slurm_failures as SF
 
 SPLIT = Path(mpi_split.__file__)
 

@@ -27,10 +27,11 @@ import yaml
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from nodeops import quoting, slurm
+from nodeops import quoting
+from nodeops.backends.slurm import job as slurm
 from nodeops.errors import SpecError
-from nodeops.render import controller_path, inventory, ssh_config
-from nodeops.spec_load import load_spec_text
+from nodeops.setup.render import controller_path, inventory, ssh_config
+from nodeops.spec.load import load_spec_text
 
 ROOT = Path(__file__).resolve().parents[2]
 SENTINEL_PIECES = ["$(touch {s})", "`touch {s}`", "; touch {s}", "\ntouch {s}\n", "$((1+1))", "${{HOME:-$(touch {s})}}"]

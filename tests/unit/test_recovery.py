@@ -14,9 +14,9 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from nodeops.launch import protocol as P
-from nodeops.launch import recovery as R
-from nodeops.starter import markers, role_dir
+from nodeops.backends.starter import markers, role_dir
+from nodeops.node import protocol as P
+from nodeops.node import recovery as R
 
 from .test_supervisor import nothing_outlives_the_test, ours, ship, wait_clean  # noqa: F401 (an autouse fixture)
 
@@ -210,8 +210,8 @@ def test_a_stop_during_the_back_off_starts_nothing(tmp_path: Path) -> None:
 def test_the_first_attempt_gets_its_ranks_from_the_plan_and_a_spare_gets_none() -> None:
     """With restarts on, torchrun's node count and rank come from the env (PET_*), never argv, so
     a later attempt.env can change them; the first attempt's are in the plan's env."""
-    from nodeops import launchers
-    from nodeops.loading import load_spec
+    from nodeops.launch import launchers
+    from nodeops.spec.loading import load_spec
 
     spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / "recovery.happy.yaml").spec
     plan = {h.host: h for h in launchers.plan(spec, ["t.py"], "20261124-000000-ab12")}

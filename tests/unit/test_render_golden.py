@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nodeops.backends import render_files as render
-from nodeops.loading import load_spec
+from nodeops.spec.loading import load_spec
 
 from ..conftest import PEERS
 

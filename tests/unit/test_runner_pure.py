@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import resources, runner
+from nodeops import resources
+from nodeops.setup import runner
 
 
 @pytest.mark.parametrize(
@@ -67,7 +68,7 @@ def test_mitogen_only_for_small_plays_unless_told(monkeypatch: pytest.MonkeyPatc
 def test_root_cause_prefers_a_real_exit_over_a_signal_death() -> None:
     from collections import deque
 
-    from nodeops.failures import HostState, root_cause
+    from nodeops.node.failures import HostState, root_cause
 
     aborted = HostState("node1", exit_code=1, ended_at=1.0, tail=deque(["  exitcode  : -6 (pid: 9)  (SIGABRT)"]))
     real = HostState("node3", exit_code=1, ended_at=2.0, tail=deque(["  exitcode  : 1 (pid: 7)"]))
@@ -80,7 +81,7 @@ def test_root_cause_prefers_a_real_exit_over_a_signal_death() -> None:
 def test_root_cause_skips_hosts_that_only_lost_a_peer() -> None:
     """DeepSpeed/pdsh order: node2's rank saw gloo's "Connection closed by peer" and was reported
     before node3, whose rank failed by itself."""
-    from nodeops.failures import HostState, root_cause
+    from nodeops.node.failures import HostState, root_cause
 
     victim = HostState("node2", exit_code=1, ended_at=1.0)
     victim.tail.append("RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.13]:44693. This is typically")
@@ -92,7 +93,7 @@ def test_root_cause_skips_hosts_that_only_lost_a_peer() -> None:
 def test_root_cause_ci_race_victim_first_culprit_stopped() -> None:
     """The race CI hit: node1's rank lost its peer and aborted (SIGABRT), its report came first,
     and the supervisor's stop reached node3 after its rank had exited 1 by itself."""
-    from nodeops.failures import HostState, root_cause
+    from nodeops.node.failures import HostState, root_cause
 
     victim = HostState("node1", exit_code=1, ended_at=1.0)
     victim.tail.extend(["[rank0]:[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [10.214.0.13]:17112.",
@@ -114,7 +115,7 @@ def test_root_cause_ci_race_victim_first_culprit_stopped() -> None:
 
 
 def test_failure_lines_puts_the_ranks_own_lines_first() -> None:
-    from nodeops.failures import failure_lines
+    from nodeops.node.failures import failure_lines
 
     tail = ["step 1 loss 0.5", "W1122 20:53:40.1 11 torch/distributed/run.py:792] Setting OMP_NUM_THREADS",
             "rank 2: failing on purpose at step 3",
@@ -138,7 +139,7 @@ def test_failure_lines_puts_the_ranks_own_lines_first() -> None:
 def test_blamed_peer_becomes_the_root_cause_when_pdsh_never_reported_it() -> None:
     from collections import deque
 
-    from nodeops.failures import HostState, blame_peers, root_cause
+    from nodeops.node.failures import HostState, blame_peers, root_cause
 
     victim = HostState("node2", exit_code=1, ended_at=1.0)
     victim.tail.append("[rank1]: RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.13]:44693.")
@@ -154,8 +155,8 @@ def test_blamed_peer_becomes_the_root_cause_when_pdsh_never_reported_it() -> Non
 def test_a_stopped_culprit_keeps_its_ranks_exit_code() -> None:
     """A victim's torchrun may report first; fail-fast then stops the culprit's job too, and its
     rank's own code comes from torchrun's line."""
-    from nodeops.failures import HostState, failure_code
-    from nodeops.ssh_run import JobResult
+    from nodeops.backends.ssh.run import JobResult
+    from nodeops.node.failures import HostState, failure_code
 
     culprit = HostState("node3", exit_code=-1, ended_at=2.0)
     culprit.tail.append("E1122 api.py:1002] failed (exitcode: 7) local_rank: 0 (pid: 631) of binary: python3")
@@ -165,7 +166,7 @@ def test_a_stopped_culprit_keeps_its_ranks_exit_code() -> None:
 
 
 def test_event_error_of_a_loop_names_only_the_failed_items() -> None:
-    from nodeops.runner import _event_error
+    from nodeops.setup.runner import _event_error
 
     res = {"msg": "One or more items failed", "results": [
         {"failed": False, "msg": "All assertions passed"},

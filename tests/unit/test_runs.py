@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import failures, slurm, ssh_run, store
-from nodeops.backends import ssh as ssh_backend
+from nodeops.backends import store
+from nodeops.backends.slurm import job as slurm
+from nodeops.backends.ssh import backend as ssh_backend
+from nodeops.backends.ssh import run as ssh_run
 from nodeops.lifecycle import runs as R
+from nodeops.node import failures
 
 
 def run(run_id: str, state: str, started: float) -> R.Run:
@@ -163,7 +166,7 @@ def test_the_remote_remove_script_spares_a_live_run_and_removes_the_rest(tmp_pat
     """The script `clean` runs on each host, run here in a real bash: a run with a live tagged
     process (even with no agent.py to ask) is kept; a finished one and a symlinked one go, and
     what the symlink points to stays."""
-    from nodeops.launch import protocol as P
+    from nodeops.node import protocol as P
 
     runs = tmp_path / P.RUNS_DIR
     runs.mkdir(parents=True)
@@ -205,7 +208,7 @@ def test_damaged_records_are_skipped_not_fatal(tmp_path: Path) -> None:
 
 def test_the_chief_probe_says_verdict_gone_running_or_ended(tmp_path: Path) -> None:
     """The script `runs` sends to a chief, run here in a real bash with HOME at a temp dir."""
-    from nodeops.launch import protocol as P
+    from nodeops.node import protocol as P
     from nodeops.quoting import sh_word
 
     runs = tmp_path / P.RUNS_DIR

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import sandbox
-from nodeops.sandbox import SandboxError
-from nodeops.spec_load import load_spec_text
+from nodeops.sandbox import cluster as sandbox
+from nodeops.sandbox.cluster import SandboxError
+from nodeops.spec.load import load_spec_text
 
 
 def test_addresses_start_at_11() -> None:

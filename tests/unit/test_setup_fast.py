@@ -18,9 +18,12 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeops import setup_fast, setup_probe, setup_state, workdir
+from nodeops.node import setup_probe
 from nodeops.quoting import sh_word
 from nodeops.resources import data_dir
+from nodeops.setup import fast as setup_fast
+from nodeops.setup import state as setup_state
+from nodeops.setup import workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,4 @@
-"""The setup record and what a spec edited since needs (nodeops.setup_state): pure, on files."""
+"""The setup record and what a spec edited since needs (nodeops.setup.state): pure, on files."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import render, setup_state
-from nodeops.spec_load import load_spec_text
+from nodeops.setup import render
+from nodeops.setup import state as setup_state
+from nodeops.spec.load import load_spec_text
 
 BASE = """
 name: lab

@@ -12,10 +12,10 @@ from types import ModuleType
 
 import pytest
 
-from nodeops import runner, workdir
 from nodeops.errors import UsageError
 from nodeops.lifecycle.setup import resolve_limit
 from nodeops.resources import collections_path
+from nodeops.setup import runner, workdir
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,12 +22,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nodeops import check, failures, sandbox_slurm, slurm
-from nodeops import deepspeed as ds
-from nodeops import slurm_failures as SF
-from nodeops.backends import slurm as slurm_backend
-from nodeops.loading import load_spec
-from nodeops.spec_load import load_spec_text
+from nodeops.backends.slurm import backend as slurm_backend
+from nodeops.backends.slurm import job as slurm
+from nodeops.check import preflight as check
+from nodeops.node import failures
+from nodeops.node import slurm_failures as SF
+from nodeops.sandbox import slurm as sandbox_slurm
+from nodeops.spec import deepspeed as ds
+from nodeops.spec.load import load_spec_text
+from nodeops.spec.loading import load_spec
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 HOSTILE = ["train.py", "--name", "it's a $(touch /tmp/pwned) `id`; rm -rf ~", "a\nb", "*", "", "--", "${HOME}"]
@@ -382,7 +385,7 @@ def test_check_srun_step_asks_for_the_jobs_shape() -> None:
 
 
 def test_runs_reads_a_slurm_runs_state(fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from nodeops import store
+    from nodeops.backends import store
     from nodeops.lifecycle import runs
 
     monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
@@ -494,7 +497,7 @@ def test_ctrl_c_while_sbatch_runs_still_records_the_job_and_cancels_it(
 ) -> None:
     from typer.testing import CliRunner
 
-    from nodeops import store
+    from nodeops.backends import store
     from nodeops.cli import app
 
     monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
@@ -553,7 +556,7 @@ def _timing_out_sbatch(run):  # type: ignore[no-untyped-def]
 
 def test_a_forgotten_job_is_never_left_running(fake_slurm: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    from nodeops import store
+    from nodeops.backends import store
     from nodeops.lifecycle import runs
 
     for tool in ("squeue", "scontrol"):

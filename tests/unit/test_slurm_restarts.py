@@ -1,5 +1,5 @@
 """Automatic restarts on Slurm (launch.restarts inside the allocation): the rules the batch node
-applies (nodeops.slurm_failures), and the whole batch script in a real bash with stand-ins for
+applies (nodeops.node.slurm_failures), and the whole batch script in a real bash with stand-ins for
 srun and scontrol (python3 is the real one: it runs the shipped package). The live path, with a
 node's container killed on a real Slurm, is tests/integration/test_slurm.py."""
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from nodeops import slurm
-from nodeops import slurm_failures as SF
-from nodeops.backends import slurm as slurm_backend
-from nodeops.spec_load import load_spec_text
+from nodeops.backends.slurm import backend as slurm_backend
+from nodeops.backends.slurm import job as slurm
+from nodeops.node import slurm_failures as SF
+from nodeops.spec.load import load_spec_text
 
 # srun's own lines, as Slurm 22.05 wrote them on the sandbox when node3's container was killed
 # and node2's task then ended (--kill-on-bad-exit=1 --wait=20): node3's task never ended.
@@ -213,7 +213,7 @@ def test_the_command_line_answers_what_the_batch_script_reads(run_dir: Path) -> 
         (run_dir / name).write_text(text)
 
     def sf(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["python3", "-E", "-s", "-m", "nodeops.slurm_failures", *args], cwd=pkg, env=env,
+        return subprocess.run(["python3", "-E", "-s", "-m", "nodeops.node.slurm_failures", *args], cwd=pkg, env=env,
                               capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
 
     p = sf("start", str(run_dir), "node1", "node1", "node2", "node3")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from nodeops.backends import slurm as backend
-from nodeops.launch import slurm_watch as W
-from nodeops.launch import stacks as S
+from nodeops.backends.slurm import backend
+from nodeops.node import slurm_watch as W
+from nodeops.node import stacks as S
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from nodeops.errors import SpecError
-from nodeops.loading import load_spec
-from nodeops.spec_load import load_spec_text
+from nodeops.spec.load import load_spec_text
+from nodeops.spec.loading import load_spec
 
 SPECS = Path(__file__).resolve().parent.parent / "specs"
 EXPECT = re.compile(r"^# expect: (\d+):(\d+) (\S+) \| (.+)$", re.M)

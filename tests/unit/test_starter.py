@@ -7,10 +7,11 @@ import subprocess
 import time
 from pathlib import Path
 
-from nodeops import launchers, starter
-from nodeops.launch import protocol as P
-from nodeops.spec import LoadedSpec
-from nodeops.spec_load import load_spec_text
+from nodeops.backends import starter
+from nodeops.launch import launchers
+from nodeops.node import protocol as P
+from nodeops.spec.load import load_spec_text
+from nodeops.spec.model import LoadedSpec
 
 SPEC = """
 nodes:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from nodeops.launch import agent as agent_mod
-from nodeops.launch import stacks as S
+from nodeops.node import agent as agent_mod
+from nodeops.node import stacks as S
 
 LAUNCH = Path(agent_mod.__file__).parent
 pytestmark = pytest.mark.slow
@@ -313,7 +313,7 @@ def test_a_victim_reporting_well_before_the_cause_holds_the_teardown_for_it(tmp_
 
 
 def test_which_later_report_replaces_the_first_failure() -> None:
-    from nodeops.launch import protocol as P
+    from nodeops.node import protocol as P
 
     assert P.replaces_first(P.CAUSE_PEER, 0.5, P.CAUSE_OWN, after_stop=False)  # a victim, then the culprit
     assert P.replaces_first(P.CAUSE_EXIT, 0.5, P.CAUSE_LOST, after_stop=False)

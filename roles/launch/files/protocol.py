@@ -1,5 +1,5 @@
 """The launch protocol: run-dir layout, file names, markers and timings, shared by the
-controller (``nodeops.ssh_run``, ``nodeops.starter``), the per-host agent and the chief's
+controller (``nodeops.backends.ssh.run``, ``nodeops.backends.starter``), the per-host agent and the chief's
 supervisor. Stdlib only: shipped beside ``agent.py`` and ``supervisor.py`` in every run dir.
 
 A run dir is ``~/.nodeops/runs/<run id>/`` on every host of the run.

@@ -1,6 +1,6 @@
 """nodeops launch: the Python stacks of a run's ranks on this host (stdlib only, Python 3.8+),
 shipped into every run dir beside ``agent.py``. ``agent.py stacks`` and the hang watchdog use it;
-the controller imports it too (``nodeops.launch.stacks``) to group what every host sent.
+the controller imports it too (``nodeops.node.stacks``) to group what every host sent.
 
 Two methods, and each rank's dump says which one gave it:
 

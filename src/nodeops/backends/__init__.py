@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from nodeops import render
 from nodeops.backends.base import Backend
-from nodeops.backends.slurm import SlurmBackend
-from nodeops.backends.ssh import SshBackend
-from nodeops.spec import LoadedSpec, ResourceSpec
-from nodeops.store import Job
+from nodeops.backends.slurm.backend import SlurmBackend
+from nodeops.backends.ssh.backend import SshBackend
+from nodeops.backends.store import Job
+from nodeops.setup import render
+from nodeops.spec.model import LoadedSpec, ResourceSpec
 
 REGISTRY: dict[str, Backend] = {b.name: b for b in (SshBackend(), SlurmBackend())}
 

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 if TYPE_CHECKING:
-    from nodeops.check import Report
-    from nodeops.spec import LoadedSpec
-    from nodeops.starter import RunFile
-    from nodeops.store import Job
+    from nodeops.backends.starter import RunFile
+    from nodeops.backends.store import Job
+    from nodeops.check.preflight import Report
+    from nodeops.spec.model import LoadedSpec
 
 
 class Sink(Protocol):
@@ -172,7 +172,7 @@ class Backend(abc.ABC):
         """Stop every process of the job and confirm it; ExitWith(1) when not confirmed."""
 
     def stacks(self, job: Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
-        """Every rank's stack of a live run, taken at once on every host (nodeops.launch.stacks'
+        """Every rank's stack of a live run, taken at once on every host (nodeops.node.stacks'
         dumps, each with its ``host``), and host -> why none came from there. Only where
         ``capabilities.stacks``."""
         raise NotImplementedError

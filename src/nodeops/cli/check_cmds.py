@@ -16,8 +16,8 @@ from nodeops.lifecycle.check import check as do_check
 from nodeops.lifecycle.check import measure_fabric
 
 if TYPE_CHECKING:
-    from nodeops.check import Report
-    from nodeops.fabric import FabricReport
+    from nodeops.check.preflight import Report
+    from nodeops.node.fabric import FabricReport
 
 COLORS = {"ok": "green", "warn": "yellow", "fail": "red"}
 

@@ -10,10 +10,10 @@ import typer
 
 from nodeops.cli.app import ConsoleSink, app, err, errors, fail
 from nodeops.errors import EXIT_FAILURE
-from nodeops.launch import stacks as S
 from nodeops.lifecycle import control
 from nodeops.lifecycle import runs as R
-from nodeops.runner import runs_dir
+from nodeops.node import stacks as S
+from nodeops.setup.runner import runs_dir
 
 RunArg = Annotated[
     str | None, typer.Argument(help="Run id printed by `nodeops launch` (default: the latest run).", show_default=False)

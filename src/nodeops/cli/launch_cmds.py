@@ -9,14 +9,14 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand
 
-from nodeops import gpus
 from nodeops.backends.base import LaunchRequest
 from nodeops.cli.app import CONTEXT, ConsoleSink, GroupOpt, SpecArg, app, errors, fail
 from nodeops.errors import EXIT_SPEC
-from nodeops.launchers import runner_prefix as prefix
+from nodeops.launch.launchers import runner_prefix as prefix
 from nodeops.lifecycle.launch import launch as do_launch
-from nodeops.loading import load_spec
-from nodeops.spec import duration_seconds
+from nodeops.setup import gpus
+from nodeops.spec.loading import load_spec
+from nodeops.spec.model import duration_seconds
 
 
 class Via(enum.StrEnum):

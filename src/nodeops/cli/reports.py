@@ -6,8 +6,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from nodeops.fabric import FabricReport
-from nodeops.fabric_probe import human_bytes
+from nodeops.node.fabric import FabricReport
+from nodeops.node.fabric_probe import human_bytes
 
 
 def print_fabric(report: FabricReport, stderr: bool = False) -> None:

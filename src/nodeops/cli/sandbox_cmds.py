@@ -8,8 +8,8 @@ from typing import Annotated
 
 import typer
 
-from nodeops import sandbox
 from nodeops.cli.app import CONTEXT, app, err, errors
+from nodeops.sandbox import cluster as sandbox
 
 sandbox_app = typer.Typer(
     name="sandbox",

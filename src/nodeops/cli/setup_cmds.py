@@ -13,7 +13,7 @@ from nodeops.lifecycle.setup import PHASE_TAGS, ROLE_TAGS, SetupRequest
 from nodeops.lifecycle.setup import setup as run_setup
 
 if TYPE_CHECKING:
-    from nodeops.runner import HostResult, RunResult
+    from nodeops.setup.runner import HostResult, RunResult
 
 
 def _progress_table(results: dict[str, HostResult]) -> object:

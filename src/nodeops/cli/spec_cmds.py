@@ -10,17 +10,19 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nodeops import backends, gpus, inventory_source
+from nodeops import backends
 from nodeops.backends import render_files as do_render
 from nodeops.cli.app import GroupOpt, SpecArg, app, err, errors, fail, make_dir, read_text_file, write_file
 from nodeops.errors import EXIT_SPEC, SpecError
-from nodeops.hostfile_import import spec_from_hostfile
-from nodeops.loading import load_spec
-from nodeops.render import controller_issues
-from nodeops.spec import json_schema
+from nodeops.setup import gpus
+from nodeops.setup.render import controller_issues
+from nodeops.spec import inventory as inventory_source
+from nodeops.spec.hostfile import spec_from_hostfile
+from nodeops.spec.loading import load_spec
+from nodeops.spec.model import json_schema
 
 if TYPE_CHECKING:
-    from nodeops.spec import LoadedSpec
+    from nodeops.spec.model import LoadedSpec
 
 
 def _print_warnings(loaded: LoadedSpec) -> None:

@@ -1,3 +1,3 @@
-"""Launch internals that run on the hosts: the per-host agent, the chief's supervisor and the
-protocol they share with the controller. These three modules are stdlib only (Python 3.8+):
-they are shipped into each run dir as files and run there with the node's python3."""
+"""What each host runs to start training, worked out on the controller (pure, no I/O): the launch
+plan (``plan``, the collection's ``module_utils/nodeops_launch.py``) and the spec's side of it
+(``launchers``). Starting it is the backends' job; what runs on the hosts is in ``nodeops.node``."""

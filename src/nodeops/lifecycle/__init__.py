@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nodeops import gpus
-from nodeops.loading import load_spec
-from nodeops.render import require_controller_files
-from nodeops.spec import LoadedSpec
+from nodeops.setup import gpus
+from nodeops.setup.render import require_controller_files
+from nodeops.spec.loading import load_spec
+from nodeops.spec.model import LoadedSpec
 
 
 def load_cluster(spec_path: Path, group: str | None, *, required: bool) -> LoadedSpec:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nodeops import backends, setup_state
+from nodeops import backends
 from nodeops.backends.base import Sink
-from nodeops.check import FAIL, Report, Row
+from nodeops.check.preflight import FAIL, Report, Row
 from nodeops.errors import ExitWith, NodeopsError, UsageError
-from nodeops.fabric import FabricReport
 from nodeops.lifecycle import load_cluster
 from nodeops.lifecycle.fabric import run_fabric
-from nodeops.spec import LoadedSpec
+from nodeops.node.fabric import FabricReport
+from nodeops.setup import state as setup_state
+from nodeops.spec.model import LoadedSpec
 
 
 def check(spec_path: Path, sink: Sink, *, group: str | None = None, timeout: float = 120,

@@ -6,10 +6,11 @@ import json
 import time
 from typing import Any
 
-from nodeops import backends, store
+from nodeops import backends
+from nodeops.backends import store
 from nodeops.backends.base import Sink
 from nodeops.errors import UsageError
-from nodeops.launch import stacks as S
+from nodeops.node import stacks as S
 
 
 def status(run_id: str | None, sink: Sink) -> None:

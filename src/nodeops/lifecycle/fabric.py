@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from nodeops import backends, fabric, fabric_probe, store
+from nodeops import backends
+from nodeops.backends import store
 from nodeops.backends.base import Sink
+from nodeops.backends.starter import RunFile
 from nodeops.errors import EXIT_FAILURE, ExitWith
-from nodeops.fabric import FabricError, FabricReport
-from nodeops.spec import LoadedSpec
-from nodeops.starter import RunFile
+from nodeops.node import fabric, fabric_probe
+from nodeops.node.fabric import FabricError, FabricReport
+from nodeops.spec.model import LoadedSpec
 
 
 def run_fabric(loaded: LoadedSpec, spec_path: Path, seconds: float, sink: Sink, verbose: bool = False) -> FabricReport:

@@ -6,12 +6,13 @@ import contextlib
 import time
 from collections.abc import Sequence
 
-from nodeops import check, setup_state
 from nodeops.backends.base import Sink
+from nodeops.check import preflight as check
 from nodeops.errors import EXIT_FAILURE, ExitWith, UsageError
-from nodeops.render import inventory
-from nodeops.runner import run_playbook
-from nodeops.spec import LoadedSpec
+from nodeops.setup import state as setup_state
+from nodeops.setup.render import inventory
+from nodeops.setup.runner import run_playbook
+from nodeops.spec.model import LoadedSpec
 
 
 def setup_gate(loaded: LoadedSpec, doing: str, skip: str = "", ignore: Sequence[str] = ()) -> None:

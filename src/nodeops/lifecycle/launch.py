@@ -10,7 +10,7 @@ from nodeops.backends.base import Backend, LaunchRequest, Sink
 from nodeops.errors import UsageError
 from nodeops.lifecycle import gates, load_cluster
 from nodeops.lifecycle.fabric import fabric_gate
-from nodeops.spec import ResourceSpec
+from nodeops.spec.model import ResourceSpec
 
 
 def refuse_unsupported(backend: Backend, request: LaunchRequest, spec: ResourceSpec | None = None) -> None:

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeops import backends, store
-from nodeops.backends.ssh import ALIVE, in_home
+from nodeops import backends
+from nodeops.backends import store
+from nodeops.backends.ssh.backend import ALIVE, in_home
 from nodeops.errors import UsageError
-from nodeops.launch import protocol as P
+from nodeops.node import protocol as P
 from nodeops.quoting import sh_word
-from nodeops.spec import duration_seconds
+from nodeops.spec.model import duration_seconds
 from nodeops.transport import fan_out, last_line, ssh_argv
 
 FINISHED = ("ok", "failed", "stopped", "hung", "gone")  # what clean may remove

@@ -13,13 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nodeops import backends, gpus, setup_fast, setup_state
+from nodeops import backends
 from nodeops.backends.base import Sink
 from nodeops.errors import NodeopsError, UsageError
-from nodeops.loading import load_spec
-from nodeops.render import inventory, require_controller_files, resolve_secrets
-from nodeops.runner import HostResult, RunResult, run_playbook
-from nodeops.spec import LoadedSpec
+from nodeops.setup import fast as setup_fast
+from nodeops.setup import gpus
+from nodeops.setup import state as setup_state
+from nodeops.setup.render import inventory, require_controller_files, resolve_secrets
+from nodeops.setup.runner import HostResult, RunResult, run_playbook
+from nodeops.spec.loading import load_spec
+from nodeops.spec.model import LoadedSpec
 
 ROLE_TAGS = setup_state.ROLES
 PHASE_TAGS = ("install", "configure", "verify")

@@ -1,1 +1,0 @@
-../../plugins/module_utils/nodeops_launch.py

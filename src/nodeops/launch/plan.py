@@ -1,0 +1,1 @@
+../../../plugins/module_utils/nodeops_launch.py
