@@ -2,7 +2,7 @@
 """Regenerate the variables table in each roles/<role>/README.md from defaults and argument_specs.
 
 The prose above the marker line is kept; everything below it is rewritten.
-Run: python scripts/role_readmes.py   (tests/unit/test_role_specs.py checks the result)
+Run: python scripts/role_readmes.py   (tests/unit/collection/test_role_specs.py checks the result)
 """
 
 from __future__ import annotations

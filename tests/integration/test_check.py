@@ -2,7 +2,7 @@
 node, each undone afterwards. Real ssh (controller -> chief -> every node), real listeners and
 connects, real torch in the venv.
 
-Untested live here: GPU rows (no GPU; see tests/unit/test_check.py for the nvidia-smi parsing)
+Untested live here: GPU rows (no GPU; see tests/unit/check/test_check.py for the nvidia-smi parsing)
 and a real second torch version (only torch 2.13.0's CPU wheel is available offline, so the
 version fault edits torch/version.py on one node: a labelled fake, not a second install).
 """

@@ -3,7 +3,7 @@ network, then one node's egress throttled with `tc tbf` (the sandbox gives its c
 NET_ADMIN), which must be named, alone, with exit 1.
 
 Untested here: NCCL on GPUs (no GPU on this machine) and InfiniBand; their parsing is unit-tested
-from NCCL's output format (tests/unit/test_fabric.py)."""
+from NCCL's output format (tests/unit/node/test_fabric.py)."""
 
 from __future__ import annotations
 

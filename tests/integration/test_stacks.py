@@ -121,7 +121,7 @@ def test_a_quiet_run_that_touches_its_progress_file_is_not_stopped(project: Path
 
 # What PyTorch does when a collective times out with the flight recorder on: each rank writes
 # its trace to $TORCH_FR_DUMP_TEMP_FILE<rank>. Written here by hand: gloo has no flight recorder,
-# and a real NCCL timeout needs GPUs (untested live; see tests/unit/test_flight_recorder.py).
+# and a real NCCL timeout needs GPUs (untested live; see tests/unit/node/test_flight_recorder.py).
 FLIGHT_RANK = """\
 import os, sys, time
 rank = os.environ["RANK"]

@@ -44,7 +44,7 @@ class Capabilities:
     """What a backend can do; every option of `launch`/`check` that needs one of these is
     refused (exit 2, nothing run) on a backend that lacks it."""
 
-    runners: frozenset[str]  # what spec validation admits for `launch.runner` (tests/unit/test_backends.py)
+    runners: frozenset[str]  # what spec validation admits for `launch.runner` (tests/unit/backends/test_backends.py)
     detach: bool  # launch --detach: return once the job runs (a launch follows its job by default, everywhere)
     via_ansible: bool  # launch --via ansible: start the jobs through the launch.yml playbook
     script: bool  # launch --script: a bash script that calls $NODEOPS_RUNNER

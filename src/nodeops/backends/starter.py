@@ -118,7 +118,7 @@ def run_vars(
 
 def files_from_vars(run: dict[str, Any]) -> dict[str, list[RunFile]]:
     """Every host's run-dir files, by host alias: what the launch role writes from the same vars
-    (tests/unit/test_launch_role.py holds the two to the same bytes)."""
+    (tests/unit/collection/test_launch_role.py holds the two to the same bytes)."""
     j = _jinja()
     tdir, fdir = role_dir("templates"), role_dir("files")
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 YAML_FILES = sorted(p for d in ("roles", "playbooks") for p in (ROOT / d).rglob("*.yml") if "molecule" not in p.parts)
 
 

@@ -17,7 +17,7 @@ from nodeops.lifecycle.setup import resolve_limit
 from nodeops.resources import collections_path
 from nodeops.setup import runner, workdir
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def load(path: Path) -> ModuleType:

@@ -25,7 +25,7 @@ from nodeops.setup import fast as setup_fast
 from nodeops.setup import state as setup_state
 from nodeops.setup import workdir
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_role_vars_are_what_setup_yml_gives_each_role() -> None:

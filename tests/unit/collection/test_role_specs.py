@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROLES = sorted(p for p in (Path(__file__).resolve().parents[2] / "roles").iterdir() if (p / "tasks").is_dir())
+ROLES = sorted(p for p in (Path(__file__).resolve().parents[3] / "roles").iterdir() if (p / "tasks").is_dir())
 
 
 def test_the_six_roles_exist() -> None:

@@ -1,6 +1,6 @@
 """``render`` output is compared byte for byte with golden files in tests/golden/.
 
-Regenerate after an intended change with ``pytest tests/unit/test_render_golden.py --update-golden``
+Regenerate after an intended change with ``pytest tests/unit/setup/test_render_golden.py --update-golden``
 and review the diff. Absolute paths of the checkout are replaced by ``<SPEC_DIR>``.
 """
 
@@ -13,9 +13,9 @@ import pytest
 from nodeops.backends import render_files as render
 from nodeops.spec.loading import load_spec
 
-from ..conftest import PEERS
+from ...conftest import PEERS
 
-HERE = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parents[2]
 GOLDEN = HERE / "golden"
 CASES = sorted(HERE.glob("specs/*.happy.yaml")) + [
     PEERS / "autodist" / n for n in ("r1-old-2019-10-ungrouped-ssh.yml", "docs-multi-node-2.yml", "r0.yml")

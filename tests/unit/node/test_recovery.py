@@ -213,7 +213,7 @@ def test_the_first_attempt_gets_its_ranks_from_the_plan_and_a_spare_gets_none() 
     from nodeops.launch import launchers
     from nodeops.spec.loading import load_spec
 
-    spec = load_spec(Path(__file__).resolve().parent.parent / "specs" / "recovery.happy.yaml").spec
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "recovery.happy.yaml").spec
     plan = {h.host: h for h in launchers.plan(spec, ["t.py"], "20261124-000000-ab12")}
     assert [(h, p.node_rank) for h, p in plan.items()] == [("10.0.0.1", 0), ("10.0.0.2", 1), ("10.0.0.3", 2),
                                                            ("10.0.0.4", -1)]  # fmt: skip

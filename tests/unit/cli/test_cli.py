@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from nodeops.cli import app
 from nodeops.quoting import load_ansible_yaml
 
-from ..conftest import PEERS
+from ...conftest import PEERS
 
-SPECS = Path(__file__).resolve().parent.parent / "specs"
+SPECS = Path(__file__).resolve().parents[2] / "specs"
 runner = CliRunner()
 
 
@@ -355,7 +355,7 @@ def test_setup_names_missing_controller_inputs_before_any_host(tmp_path: Path) -
 def test_setup_skips_exactly_the_roles_input_checks() -> None:
     from nodeops.lifecycle.setup import ROLE_INPUT_CHECKS
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     tagged = {t for f in root.glob("roles/*/tasks/main.yml") for t in re.findall(r"\b(\w+_preflight)\b", f.read_text())}
     assert set(ROLE_INPUT_CHECKS) == tagged
     # nothing but the input-check asserts carries those tags
@@ -399,7 +399,7 @@ ROLE_RULES_BY_CONSTRUCTION = (
 
 
 def test_every_role_input_rule_is_accounted_for() -> None:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     rules = [r for f in root.glob("roles/*/tasks/main.yml") for r in re.findall(r"^\s+rule: ", f.read_text(), re.M)]
     # one breaker per rule (plus the venv-is-home case, which the role's regex lets through)
     assert len(rules) == len(ROLE_RULE_BREAKERS) - 1 + len(ROLE_RULES_BY_CONSTRUCTION)

@@ -32,7 +32,7 @@ from nodeops.spec import deepspeed as ds
 from nodeops.spec.load import load_spec_text
 from nodeops.spec.loading import load_spec
 
-SPECS = Path(__file__).resolve().parent.parent / "specs"
+SPECS = Path(__file__).resolve().parents[2] / "specs"
 HOSTILE = ["train.py", "--name", "it's a $(touch /tmp/pwned) `id`; rm -rf ~", "a\nb", "*", "", "--", "${HOME}"]
 
 

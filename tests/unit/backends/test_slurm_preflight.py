@@ -19,7 +19,7 @@ from nodeops.backends.slurm import backend as slurm_backend
 from nodeops.backends.slurm import job as slurm
 from nodeops.node import check_rules, probe
 from nodeops.spec.loading import load_spec
-from tests.unit.test_slurm import SPECS, fake_slurm  # noqa: F401 (a fixture)
+from tests.unit.backends.test_slurm import SPECS, fake_slurm  # noqa: F401 (a fixture)
 
 BARE = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 

@@ -7,7 +7,7 @@ import pytest
 from nodeops.errors import SpecError
 from nodeops.spec import deepspeed
 
-from ..conftest import PEERS
+from ...conftest import PEERS
 
 HOSTFILES = PEERS / "deepspeed" / "hostfiles"
 ENVFILES = PEERS / "deepspeed" / "deepspeed_env"

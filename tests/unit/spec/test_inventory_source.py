@@ -129,7 +129,7 @@ def test_group_and_source_errors_are_spec_errors(tmp_path: Path) -> None:
 
 def test_render_then_import_gives_back_the_same_nodes(tmp_path: Path) -> None:
     """The round trip: a spec -> `nodeops render`'s inventory.yml -> the inventory loader."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     loaded = load_spec(root / "specs" / "full.happy.yaml")
     inv = write(tmp_path, "inventory.yml", render(loaded, {"HF_TOKEN": "x", "API_KEY": "y"}).files["inventory.yml"])
     back = load_spec(inv).spec

@@ -14,7 +14,7 @@ from nodeops.errors import SpecError
 from nodeops.spec.loading import load_spec
 from nodeops.spec.model import LEGACY_GROUP
 
-from ..conftest import PEERS
+from ...conftest import PEERS
 
 CORPUS = PEERS / "autodist"
 REFUSED = {"hackathon-model-v1.yml"}

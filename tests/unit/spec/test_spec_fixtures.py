@@ -13,7 +13,7 @@ from nodeops.errors import SpecError
 from nodeops.spec.load import load_spec_text
 from nodeops.spec.loading import load_spec
 
-SPECS = Path(__file__).resolve().parent.parent / "specs"
+SPECS = Path(__file__).resolve().parents[2] / "specs"
 EXPECT = re.compile(r"^# expect: (\d+):(\d+) (\S+) \| (.+)$", re.M)
 HAPPY = sorted(SPECS.glob("*.happy.yaml"))
 ERRORS = sorted(SPECS.glob("*.error.*.yaml"))

@@ -24,7 +24,7 @@ from nodeops.lifecycle import runs as runs_flow
 from nodeops.spec.load import load_spec_text
 from nodeops.spec.model import LoadedSpec
 
-from ..conftest import ROOT
+from ...conftest import ROOT
 
 SPECS = ROOT / "tests" / "specs"
 

@@ -8,7 +8,7 @@ import yaml
 
 import nodeops
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_galaxy_metadata_is_complete_and_versioned_with_the_package() -> None:

@@ -21,7 +21,7 @@ from nodeops.check import preflight as check
 from nodeops.node import probe
 from nodeops.spec.load import load_spec_text
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).parents[1] / "data"
 SPEC = """
 nodes:
   - {address: 10.0.0.1, chief: true, gpus: [0, 1]}

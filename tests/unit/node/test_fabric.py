@@ -324,7 +324,7 @@ def test_fabric_failure_is_exit_1_and_json_status_fail(tmp_path: Path, monkeypat
 def gate_dir(tmp_path: Path) -> Path:
     """The files launch ships for a Slurm job's step before training, written as the batch node
     has them: the gate package alone on PYTHONPATH (nothing of this checkout's nodeops)."""
-    loaded = load_spec(Path(__file__).resolve().parent.parent / "specs" / "slurm-sandbox.happy.yaml")
+    loaded = load_spec(Path(__file__).resolve().parents[2] / "specs" / "slurm-sandbox.happy.yaml")
     files = fabric_files(loaded, 3, [0, 0, 0])
     run = tmp_path / "run"
     for name, text in files.items():
