@@ -207,6 +207,11 @@ def test_detach_status_logs_stop_leave_nothing(
         time.sleep(2)
         logs = cli("logs", run_id)
     assert re.search(r"^node1 \[rank0\]:step \d+ loss", logs.stdout, re.M), logs.stdout[-2000:]
+    assert not re.search(r"^node\d \| $", logs.stdout, re.M), logs.stdout[-2000:]  # no empty line before rank lines
+    some = cli("logs", run_id, "--host", "node2", "--tail", "3").stdout.splitlines()
+    assert 0 < len(some) <= 3 and all(line.startswith("node2 ") for line in some), some
+    ranks = cli("logs", run_id, "--rank", "0").stdout.splitlines()
+    assert ranks and all(line.startswith("node1 [rank0]:") for line in ranks), ranks[-5:]
     st = cli("status", run_id)  # a new process finds the run again by its id
     assert st.returncode == 0 and st.stdout.split() == ["node1", "running", "node2", "running", "node3", "running"]
     stop = cli("stop", run_id)

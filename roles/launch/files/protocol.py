@@ -88,5 +88,16 @@ def replaces_first(first_rank: int, first_age: float, rank: int, after_stop: boo
 PDSH_EXIT = re.compile(r"^pdsh@\S+: (\S+): ssh exited with exit code (\d+)")
 
 
+def log_lines(text: str) -> list[str]:
+    """A log's lines, cut at newlines only (a ``\\r`` before one dropped): ``str.splitlines()``
+    also cuts at ``\\x1e``, the mark before torchrun's rank prefix (RANK_PREFIX), and at other
+    characters a rank may print (``\\x1c``-``\\x1d``, ``\\x85``, ``\\u2028``), which gave every
+    rank line an empty line before it."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
 def run_dir(run_id: str) -> str:
     return f"{RUNS_DIR}/{run_id}"

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 import time
-from typing import Annotated
+from collections import deque
+from typing import Annotated, Any
 
 import typer
 
 from nodeops.cli.app import ConsoleSink, app, err, errors, fail
-from nodeops.errors import EXIT_FAILURE
+from nodeops.errors import EXIT_FAILURE, EXIT_SPEC
 from nodeops.lifecycle import control
 from nodeops.lifecycle import runs as R
 from nodeops.node import stacks as S
@@ -32,15 +34,78 @@ def status(run_id: RunArg = None) -> None:
         control.status(run_id, ConsoleSink())
 
 
-@app.command(epilog="Examples:\n\n    nodeops logs 20261122-101500-ab12\n\n    nodeops logs -f")
+class LogView:
+    """`nodeops logs`' filters over the console: ``--host`` and ``--rank`` keep only those lines
+    (``--rank`` keeps rank lines only), ``--tail N`` each host's last N lines, printed when the log
+    has been read. Hosts asked for that gave no line are named on stderr."""
+
+    def __init__(self, sink: ConsoleSink, hosts: list[str], ranks: list[int], tail: int | None) -> None:
+        self.sink, self.hosts, self.ranks, self.tail = sink, hosts, set(ranks), tail
+        self.seen: set[str] = set()
+        self.kept: dict[str, deque[str]] = {}
+
+    def note(self, text: str) -> None:
+        self.sink.note(text)
+
+    def out(self, text: str) -> None:
+        self.sink.out(text)
+
+    def report(self, report: Any) -> None:
+        self.sink.report(report)
+
+    def line(self, host: str, text: str) -> None:
+        self.seen.add(host)
+        if self.hosts and host not in self.hosts:
+            return
+        if self.ranks:
+            m = RANK_LINE.match(text)
+            if m is None or int(m.group(1)) not in self.ranks:
+                return
+        if self.tail is None:
+            self.sink.line(host, text)
+        else:
+            self.kept.setdefault(host, deque(maxlen=self.tail)).append(text)
+
+    def flush(self) -> None:
+        for host, lines in self.kept.items():
+            for text in lines:
+                self.sink.line(host, text)
+        self.kept.clear()
+        missing = [h for h in self.hosts if h not in self.seen]
+        if missing:
+            seen = ", ".join(sorted(self.seen)) or "none"
+            err(f"no log line from {', '.join(missing)} (hosts with lines in this run's logs: {seen})")
+
+
+RANK_LINE = re.compile(r"\[rank(\d+)\]:")
+
+
+@app.command(
+    epilog="Examples:\n\n    nodeops logs 20261122-101500-ab12\n\n    nodeops logs -f"
+    "\n\n    nodeops logs --tail 20 --host node2\n\n    nodeops logs --rank 3 --rank 5"
+)
 def logs(
     run_id: RunArg = None,
     follow: Annotated[bool, typer.Option("-f", "--follow", help="Keep streaming until the job ends.")] = False,
+    tail: Annotated[
+        int | None,
+        typer.Option("--tail", min=0, help="Only each host's last N lines (of the log read whole; not with -f)."),
+    ] = None,
+    host: Annotated[list[str] | None, typer.Option("--host", help="Only this host's lines (repeatable).")] = None,
+    rank: Annotated[
+        list[int] | None, typer.Option("--rank", min=0, help="Only this global rank's lines (repeatable).")
+    ] = None,
 ) -> None:
     """Print every host's log, each line prefixed with host and rank; `-f` streams until the end."""
 
+    if follow and tail is not None:
+        fail("--tail reads the log whole and cannot be used with -f (narrow a stream with --host/--rank)", EXIT_SPEC)
+    view = LogView(ConsoleSink(), host or [], rank or [], tail)
     with errors():
-        control.logs(run_id, follow, ConsoleSink())
+        try:
+            control.logs(run_id, follow, view)
+        finally:
+            view.flush()
 
 
 @app.command(epilog="Example:\n\n    nodeops stop 20261122-101500-ab12")

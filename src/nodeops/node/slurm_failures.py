@@ -203,7 +203,7 @@ def _lines(path: str, limit: int = 4 << 20) -> list[str]:
     try:
         with open(path, "rb") as f:
             f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
-            return f.read().decode("utf-8", "replace").splitlines()
+            return P.log_lines(f.read().decode("utf-8", "replace"))
     except OSError:
         return []
 

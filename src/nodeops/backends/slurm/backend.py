@@ -137,7 +137,7 @@ def follow(job: store.Job, sink: Sink, *, cancel_on_interrupt: bool) -> slurm.Po
 def logs_tail(job: store.Job) -> dict[str, list[str]]:
     """Each host's last lines (the batch log's as ``batch``), read at the end of the job."""
     st = slurm.poll(login_for(job), job.run_id, slurm_id(job), {}, max_bytes=256 << 10, whole=True, tail=True)
-    return {slurm.host_of(name): SF.last_run(text.splitlines())[-SF.TAIL_LINES :]
+    return {slurm.host_of(name): SF.last_run(P.log_lines(text))[-SF.TAIL_LINES :]
             for name, (_, _, text) in st.files.items()}  # fmt: skip
 
 

@@ -106,7 +106,7 @@ def read_logs(job: Job, current: bool = True) -> dict[str, list[str]]:
     def one(host: str) -> list[str]:
         p = subprocess.run(ssh_argv(job.ssh_config, host, script), capture_output=True, text=True, timeout=60,
                            check=False, errors="replace")  # fmt: skip
-        return mpi_split.rank_lines(p.stdout.splitlines())
+        return mpi_split.rank_lines(P.log_lines(p.stdout))
 
     return {h: lines for h, lines in fan_out(job.kill_hosts, one).items() if lines}
 
