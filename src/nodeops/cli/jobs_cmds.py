@@ -18,11 +18,19 @@ from nodeops.node import stacks as S
 from nodeops.setup.runner import runs_dir
 
 RunArg = Annotated[
-    str | None, typer.Argument(help="Run id printed by `nodeops launch` (default: the latest run).", show_default=False)
+    str | None,
+    typer.Argument(
+        metavar="[RUN]",
+        help="A run id printed by `nodeops launch`, or a spec file: its latest run. Default: the latest run "
+        "launched here (named on stderr); `stop` without one acts only when one run is live.",
+        show_default=False,
+    ),
 ]
 
 
-@app.command(epilog="Example:\n\n    nodeops status 20261122-101500-ab12")
+@app.command(
+    epilog="Examples:\n\n    nodeops status 20261122-101500-ab12\n\n    nodeops status cluster.yaml   # its latest run"
+)
 def status(run_id: RunArg = None) -> None:
     """Show each host's job state: running, exited CODE, killed or unreachable.
 
@@ -108,9 +116,15 @@ def logs(
             view.flush()
 
 
-@app.command(epilog="Example:\n\n    nodeops stop 20261122-101500-ab12")
+@app.command(
+    epilog="Examples:\n\n    nodeops stop 20261122-101500-ab12\n\n    nodeops stop cluster.yaml   # its latest run"
+)
 def stop(run_id: RunArg = None) -> None:
-    """Stop every rank of a run on every host (SIGTERM to its process group, then SIGKILL)."""
+    """Stop every rank of a run on every host (SIGTERM to its process group, then SIGKILL).
+
+    Without a run id or spec it stops the one live run launched from this machine; with more
+    than one live it refuses (exit 2) and lists them with their specs.
+    """
 
     with errors():
         control.stop(run_id, ConsoleSink())
@@ -137,12 +151,13 @@ def stacks(
 
     Ranks with the same stack are grouped; the ranks whose stack differs from the majority come
     first (in a hang, those are the stuck ones). Each rank's raw dump is saved in the run's record
-    here, under stacks/<time>/. Exit 2 when the run has no live rank (it has ended). On Slurm
+    here, under stacks/<time>/. A run that is still starting (right after `launch --detach`) is
+    waited for, up to a minute. Exit 2 when the run has no live rank (it has ended). On Slurm
     the stacks are taken in one `srun --overlap` step beside the job's training step.
     """
 
     with errors():
-        doc = control.stacks(run_id, native, method)
+        doc = control.stacks(run_id, native, method, ConsoleSink())
     if as_json:
         print(json.dumps(doc, indent=2))
         return
@@ -168,7 +183,8 @@ def _when(ts: float) -> str:
 
 
 @app.command(
-    epilog="Examples:\n\n    nodeops runs\n\n    nodeops runs --json | jq '.[] | select(.state==\"failed\")'"
+    epilog="Examples:\n\n    nodeops runs\n\n    nodeops runs --spec cluster.yaml --state running"
+    "\n\n    nodeops runs --json | jq '.[] | select(.state==\"failed\")'"
     "\n\n    nodeops runs --local   # no ssh: only what this machine recorded"
 )
 def runs(
@@ -176,6 +192,13 @@ def runs(
     local: Annotated[
         bool, typer.Option("--local", help="No ssh: runs without a verdict here show as unknown.")
     ] = False,
+    spec: Annotated[
+        str | None, typer.Option("--spec", metavar="FILE", help="Only the runs launched from this spec file.")
+    ] = None,
+    state: Annotated[
+        list[str] | None,
+        typer.Option("--state", help="Only runs in this state (repeatable): running, ok, failed, stopped, hung, ..."),
+    ] = None,
 ) -> None:
     """List the runs launched from this machine, newest first: id, state, exit code, runner,
     hosts, start time and spec.
@@ -187,13 +210,22 @@ def runs(
 
     with errors():
         found = R.local_runs()
+        if spec is not None:
+            found = control.runs_of_spec(found, spec)
         if not local:
             R.refresh(found)
+        if state:
+            found = [r for r in found if r.state in state]
         if as_json:
             typer.echo(json.dumps([r.row() for r in found], indent=2))
             return
         if not found:
-            err("no runs launched from this machine yet (nodeops launch SPEC train.py starts one)")
+            if spec is not None or state:
+                err("no run matches " + " and ".join(
+                    ([f"--spec {control.spec_key(spec)}"] if spec is not None else []) +
+                    ([f"--state {'/'.join(state)}"] if state else [])))  # fmt: skip
+            else:
+                err("no runs launched from this machine yet (nodeops launch SPEC train.py starts one)")
             return
         typer.echo(f"{'RUN ID':20} {'STATE':11} {'EXIT':>4}  {'RUNNER':9} {'HOSTS':>5}  {'STARTED':16}  SPEC")
         for r in found:

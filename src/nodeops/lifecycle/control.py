@@ -1,38 +1,105 @@
-"""`nodeops status`, `logs`, `stop` and `stacks`: find a launched run by its id and ask its backend."""
+"""`nodeops status`, `logs`, `stop` and `stacks`: find the run the user meant and ask its backend.
+
+Which run: a run id names one; a spec file names the latest run launched from that spec; nothing
+names the latest run, said on stderr with its spec, except for ``stop``, which acts without a
+name only when at most one run is live here (with more, it refuses and lists them)."""
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from nodeops import backends
 from nodeops.backends import store
 from nodeops.backends.base import Sink
 from nodeops.errors import UsageError
+from nodeops.lifecycle import runs as R
 from nodeops.node import stacks as S
 
+LIVE = ("running", "starting")  # a run in these states may still have ranks somewhere
+STACKS_WAIT = 60.0  # seconds `stacks` waits for the ranks of a run that is starting (launch --detach)
+STACKS_POLL = 1.0
 
-def status(run_id: str | None, sink: Sink) -> None:
-    job = store.find(run_id)
+
+def spec_key(target: str) -> str:
+    """A spec file as a run record holds it (launch saves the resolved path)."""
+    return str(Path(target).expanduser().resolve())
+
+
+def is_spec(target: str) -> bool:
+    """Whether a command's RUN argument names a spec file rather than a run id."""
+    if store.RUN_ID.match(target):
+        return False
+    return Path(target).expanduser().is_file() or target.endswith((".yaml", ".yml"))
+
+
+def runs_of_spec(found: Sequence[R.Run], target: str) -> list[R.Run]:
+    """The runs launched from this spec file, newest first (``found`` is newest first)."""
+    key = spec_key(target)
+    return [r for r in found if r.job.spec == key]
+
+
+def live_conflict(live: Sequence[R.Run]) -> str:
+    """Why plain ``stop`` refuses: every live run, with its spec, and how to name one."""
+    rows = "\n".join(f"  {r.job.run_id}  {r.state:8} {r.job.backend:5} {r.job.spec or '?'}" for r in live)
+    return (f"{len(live)} runs are live here; say which to stop (a run id, or the spec file it was "
+            f"launched from):\n{rows}\nfor example: nodeops stop {live[0].job.run_id}")  # fmt: skip
+
+
+def pick(target: str | None, sink: Sink, *, acts: bool = False) -> store.Job:
+    """The run a command's RUN argument means (see the module's doc). ``acts``: the command
+    changes the run (stop), so without a name it must be the only live one."""
+    if target is not None and not is_spec(target):
+        if not store.RUN_ID.match(target):
+            raise store.RunIdError(f"{target!r} is neither a run id (like 20261122-101500-ab12) nor a spec file "
+                                   "(`nodeops runs` lists the runs and their specs)")  # fmt: skip
+        return store.find(target)
+    if target is not None:
+        found = runs_of_spec(R.local_runs(), target)
+        if not found:
+            raise store.RunIdError(f"no run was launched from {spec_key(target)} on this machine "
+                                   "(`nodeops runs` lists the runs and their specs)")  # fmt: skip
+        job = found[0].job
+        sink.note(f"run {job.run_id}: the latest launched from {job.spec}")
+        return job
+    if acts:
+        found = R.local_runs()
+        R.refresh(found)
+        live = [r for r in found if r.state in LIVE]
+        if len(live) > 1:
+            raise UsageError(live_conflict(live))
+        if live:
+            job = live[0].job
+            sink.note(f"run {job.run_id} ({job.spec or 'no spec recorded'}): the only live run here")
+            return job
+    job = store.find(None)
+    sink.note(f"run {job.run_id} ({job.spec or 'no spec recorded'}): the latest launched from this machine")
+    return job
+
+
+def status(target: str | None, sink: Sink) -> None:
+    job = pick(target, sink)
     backends.for_job(job).status(job, sink)
 
 
-def logs(run_id: str | None, follow: bool, sink: Sink) -> None:
-    job = store.find(run_id)
+def logs(target: str | None, follow: bool, sink: Sink) -> None:
+    job = pick(target, sink)
     backends.for_job(job).logs(job, follow, sink)
 
 
-def stop(run_id: str | None, sink: Sink) -> None:
-    job = store.find(run_id)
+def stop(target: str | None, sink: Sink) -> None:
+    job = pick(target, sink, acts=True)
     backends.for_job(job).stop(job, sink)
 
 
-def stacks(run_id: str | None, native: bool, method: str) -> dict[str, Any]:
+def stacks(target: str | None, native: bool, method: str, sink: Sink) -> dict[str, Any]:
     """Every rank's Python stack of a live run, at once: the groups (those that differ from the
     majority first), each rank's method, and where the raw dumps were saved in the run's record
     here (``stacks/<time>/``). A run with no live rank anywhere is a usage error (exit 2)."""
-    job = store.find(run_id)
+    job = pick(target, sink)
     backend = backends.for_job(job)
     if not backend.capabilities.stacks:
         raise UsageError(f"nodeops stacks cannot be used with backend: {backend.name} (run {job.run_id})")
@@ -41,6 +108,22 @@ def stacks(run_id: str | None, native: bool, method: str) -> dict[str, Any]:
     t0 = time.monotonic()
     dumps, none = backend.stacks(job, native, method)
     took = time.monotonic() - t0
+    if not dumps and store.read_verdict(job.dir) is None:
+        st = backend.run_state(job)
+        if st.state in LIVE:  # just launched (--detach): its ranks are on their way
+            sink.note(f"run {job.run_id} has no rank yet ({st.detail}); waiting up to {STACKS_WAIT:.0f} s "
+                      "for its ranks to start")  # fmt: skip
+            deadline = time.monotonic() + STACKS_WAIT
+            while not dumps and st.state in LIVE and time.monotonic() < deadline:
+                time.sleep(STACKS_POLL)
+                t0 = time.monotonic()
+                dumps, none = backend.stacks(job, native, method)
+                took = time.monotonic() - t0
+                if not dumps:
+                    st = backend.run_state(job)
+            if not dumps and st.state in LIVE:
+                raise UsageError(f"run {job.run_id} started no rank within {STACKS_WAIT:.0f} s ({st.detail}); "
+                                 "`nodeops logs` shows what it is doing")  # fmt: skip
     if not dumps:
         why = "; ".join(f"{h}: {w}" for h, w in none.items()) or "no host answered"
         verdict = store.read_verdict(job.dir)

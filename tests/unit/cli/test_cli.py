@@ -188,7 +188,7 @@ def test_status_of_an_unknown_run_is_a_clear_error(tmp_path: Path) -> None:
     r = runner.invoke(app, ["status", "20990101-000000-abcd"], env={"NODEOPS_HOME": str(tmp_path)})
     assert r.exit_code == 2 and "no job 20990101-000000-abcd" in r.stderr
     r = runner.invoke(app, ["stop", "not-a-run"], env={"NODEOPS_HOME": str(tmp_path)})
-    assert r.exit_code == 2 and "is not a run id" in r.stderr
+    assert r.exit_code == 2 and "is neither a run id" in r.stderr
 
 
 def test_mpirun_tagged_lines_get_the_ranks_host(capsys: pytest.CaptureFixture[str]) -> None:
