@@ -177,3 +177,96 @@ def failure_lines(tail: Sequence[str]) -> tuple[list[str], list[str]]:
         if not _AGENT_LINE.match(line) and not _DS_LAUNCHER_LINE.match(line) and "NCCL INFO" not in line
     ] + [line for line in late if "NCCL INFO" not in line]
     return own[-SHOWN_LINES:], [line for line in lines[at:] if not _RANK_LINE.match(line)]
+
+
+# torch.distributed's exception hook prefixes each line of a rank's traceback with `[rankN]: `;
+# torchrun's tee adds its own `[rankN]:` before it.
+_DOUBLE_PREFIX = re.compile(r"^(\[rank(\d+)\]:)\[rank\2\]:")
+_PREFIXES = re.compile(r"^(?:\[rank\d+\]: ?)+")
+
+
+def one_prefix(line: str) -> str:
+    """A rank's line with one `[rankN]:` prefix where torchrun's and torch's own both stand."""
+    m = _DOUBLE_PREFIX.match(line)
+    return m.group(1) + line[m.end() :] if m else line
+
+
+class LiveFold:
+    """What an attached launch shows live while a run fails, so that the failure is not buried:
+
+    - a rank's traceback is held until its last line: one that ends in a lost peer
+      (``protocol.PEER_LOST``: the rank is a victim of another's failure) is folded, any other
+      is shown whole;
+    - torchrun's failure report (from its ``failed (exitcode: N)`` line on, its own lines) is
+      folded: the verdict's summary counts it and shows it with -v;
+    - once a host's torchrun was told to stop, or any host's job failed, the other hosts'
+      lines are held; a held host whose own job then fails gets them shown at that moment.
+
+    Every line stays in the logs and the tails; ``folded`` counts what was not shown."""
+
+    BLOCK_WAIT = 3.0  # seconds a traceback is held without its last line before it is shown
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []  # hosts whose job failed, in the order it was seen
+        self.held: dict[str, list[str]] = {}
+        self.victims: dict[str, int] = {}  # host -> lines of tracebacks that end in a lost peer
+        self.report: dict[str, int] = {}  # host -> lines of torchrun's failure report
+        self.blocks: dict[tuple[str, str], tuple[float, list[str]]] = {}  # (host, rank prefix) -> traceback so far
+
+    def line(self, host: str, line: str, now: float) -> list[tuple[str, str]]:
+        """The (host, line) pairs to show now for this line of ``host``'s log."""
+        m = _RANK_LINE.match(line)
+        if m is None:
+            if host in self.report or P.AGENT_FAILED.search(line):
+                self.report[host] = self.report.get(host, 0) + 1
+                return []
+            return self._show(host, line)
+        key, text = (host, m.group(0)), _PREFIXES.sub("", line)
+        if key in self.blocks:
+            self.blocks[key][1].append(line)
+            if text and not text[0].isspace() and not text.startswith("Traceback"):
+                return self._settle(key, text)
+            return []
+        if text.startswith("Traceback (most recent call last):"):
+            self.blocks[key] = (now, [line])
+            return []
+        return self._show(host, line)
+
+    def job_failed(self, host: str) -> list[tuple[str, str]]:
+        """``host``'s job failed on its own: its held lines are its failure's, shown now."""
+        self.failed.append(host)
+        return [(host, line) for line in self.held.pop(host, [])]
+
+    def due(self, now: float) -> list[tuple[str, str]]:
+        """Tracebacks held longer than BLOCK_WAIT without their last line: shown."""
+        out: list[tuple[str, str]] = []
+        for key in [k for k, (since, _) in self.blocks.items() if now - since >= self.BLOCK_WAIT]:
+            out += self._settle(key, "")
+        return out
+
+    def flush(self) -> list[tuple[str, str]]:
+        return self.due(float("inf"))
+
+    def folded(self, root: str = "") -> dict[str, int]:
+        """Lines not shown, by host: held, victims' tracebacks, and torchrun's failure report of
+        every host but ``root`` (whose report the verdict counts itself)."""
+        out: dict[str, int] = {}
+        for counts in ({h: len(v) for h, v in self.held.items()}, self.victims,
+                       {h: n for h, n in self.report.items() if h != root}):  # fmt: skip
+            for h, n in counts.items():
+                if n:
+                    out[h] = out.get(h, 0) + n
+        return out
+
+    def _settle(self, key: tuple[str, str], last: str) -> list[tuple[str, str]]:
+        _, lines = self.blocks.pop(key)
+        if last and P.PEER_LOST.search(last):
+            self.victims[key[0]] = self.victims.get(key[0], 0) + len(lines)
+            return []
+        return [pair for line in lines for pair in self._show(key[0], line)]
+
+    def _show(self, host: str, line: str) -> list[tuple[str, str]]:
+        if host not in self.failed and (host in self.held or self.failed or TEARDOWN_LINE.search(line)):
+            self.held.setdefault(host, []).append(line)
+            return []
+        return [(host, line)]

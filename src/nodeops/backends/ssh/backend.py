@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -387,13 +388,15 @@ def run_job(
         own, summary = failures.failure_lines(rc.tail)
         sink.note(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); its last lines:")
         for line in own + (summary if verbose or not own else []):
-            sink.note(f"    {rc.host} {line}")
+            sink.note(f"    {rc.host} {failures.one_prefix(line)}")
         if summary and own and not verbose:
             sink.note(f"    ({len(summary)} more lines of torchrun's failure report: -v shows them, "
                       f"as does `nodeops logs {run_id}`)")  # fmt: skip
         if res.folded:
-            sink.note(f"    ({sum(res.folded.values())} lines the other hosts printed while they were stopped "
-                      f"({', '.join(res.folded)}) are not shown here: `nodeops logs {run_id}` has them)")  # fmt: skip
+            sink.note(f"    ({sum(res.folded.values())} lines of the other hosts were not shown ("
+                      + ", ".join(f"{h}: {n}" for h, n in res.folded.items())
+                      + f"): tracebacks of the lost peer, torchrun's reports, lines printed while stopped; "
+                      f"`nodeops logs {run_id}` has them)")  # fmt: skip
         if res.teardown_seconds is not None:
             sink.note(f"==> the supervisor stopped every other rank in {res.teardown_seconds:.1f}s; "
                       f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
@@ -438,6 +441,12 @@ def in_home(script: str) -> str:
     return 'cd "$HOME" || exit 1\n' + script
 
 
+def ended_by_stop(state: str) -> bool:
+    """A host state that a stop on request leaves (its ranks killed, or exited on the signal);
+    processes still alive, or an unreachable host, are not."""
+    return state == "killed" or re.fullmatch(r"exited -?\d+", state) is not None
+
+
 class SshBackend(Backend):
     name: ClassVar[str] = "ssh"
     capabilities: ClassVar[Capabilities] = Capabilities(
@@ -467,7 +476,11 @@ class SshBackend(Backend):
         states = ssh_run.host_states(job)
         attempts = ssh_run.read_attempts(job) if job.handle.get(RESTARTS) else None
         excluded = {h for a in (attempts or {}).get("attempts") or [] for h in a.get("excluded") or []}
+        verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
+        stopped = (verdict or {}).get("outcome") == "stopped"
         for host, state in states.items():
+            if stopped and ended_by_stop(state):  # what `nodeops stop` did, not a failure of the host
+                state = f"stopped ({state})"
             sink.out(f"{host:12} {state}" + ("  (excluded by a restart)" if host in excluded else ""))
         if attempts:
             for a in attempts.get("attempts") or []:
@@ -475,7 +488,6 @@ class SshBackend(Backend):
         if job.handle.get(RESTARTS) and states.get(job.chief, "").startswith("unreachable"):
             sink.note(f"the chief {job.chief} is unreachable: its supervisor makes the restarts, so this run "
                       "cannot recover (every other host stops its ranks within seconds of losing it)")  # fmt: skip
-        verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
         if verdict is not None:
             sink.note(f"run {job.run_id}: {store.describe(verdict)}")
             if verdict.get("outcome") == "hung" and verdict.get("hang"):
@@ -483,7 +495,8 @@ class SshBackend(Backend):
             if verdict.get("outcome") in ("failed", "hung"):
                 report_flight(job, sink)
         fine = [h for h, st in states.items()
-                if st.startswith(("running", "spare (not used)")) or st in ("exited 0", "idle")]  # fmt: skip
+                if st.startswith(("running", "spare (not used)")) or st in ("exited 0", "idle")
+                or (stopped and ended_by_stop(st))]  # fmt: skip
         bad = [h for h in states if h not in fine and h not in excluded]
         if bad:
             raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: not ok on {', '.join(bad)}")

@@ -31,8 +31,8 @@ from nodeops.node import protocol as P
 from nodeops.node import stacks as S
 from nodeops.node.failures import (
     TAIL_LINES,
-    TEARDOWN_LINE,
     HostState,
+    LiveFold,
     blame_mpi_rank,
     blame_peers,
     exit_code_for,
@@ -305,11 +305,10 @@ def follow(
     be reached (or nothing ends within 20 s) does it run kill on every host itself. Without it
     (``nodeops logs -f``) Ctrl-C only stops reading. ``addresses``: address -> host, to name the
     host in pdsh's lines (DeepSpeed's runner); ``rank_hosts``: mpirun's rank -> host.
-    ``fold_after_failure`` (an attached launch): a host's lines are held back once its torchrun
-    says it got a death signal (the supervisor's teardown: a SignalException traceback follows),
-    and every other host's once a host's job has failed. A held host whose own job then fails
-    gets its lines emitted at that moment; the rest stay in the logs and the tails and are
-    counted in ``folded``, so the failure report is not buried under them.
+    ``fold_after_failure`` (an attached launch): what the live stream keeps back while the run
+    fails (``failures.LiveFold``: victims' tracebacks, torchrun's failure report, the hosts'
+    lines during the teardown); it stays in the logs and the tails and is counted in
+    ``folded``, so the failure report is not buried under it.
     ``attempt`` (automatic restarts: the attempt followed, from 1): once its jobs ended, the
     supervisor may start the next attempt instead of ending the run; the result then carries it
     (``next_attempts``) and this attempt's own verdict.
@@ -346,15 +345,19 @@ def follow(
     interrupted = False
     teardown_result: dict[str, str] = {}
     done: set[str] = set()
-    failed: list[str] = []  # hosts whose job failed, in the order it was seen
-    held: dict[str, list[str]] = {}  # fold_after_failure: lines held back after the first failure
+    fold = LiveFold()  # fold_after_failure: what the live stream keeps back while the run fails
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(_sig: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
+    def show(pairs: list[tuple[str, str]]) -> None:
+        for host, line in pairs:
+            emit(host, line)
+
     def pump(until: float | None = None) -> None:
         while len(done) < len(hosts) and (until is None or time.monotonic() < until):
+            show(fold.due(time.monotonic()))
             try:
                 host, line = events.get(timeout=0.2)
             except queue.Empty:
@@ -375,13 +378,11 @@ def follow(
                     st.stopped = value == "killed"
                     st.lost_reason = "the job was stopped" if st.stopped else f"the job {value}"
                 if st.exit_code != 0 and not st.stopped:
-                    failed.append(host)
-                    for own in held.pop(host, []):  # its own failure's lines: shown after all
-                        emit(host, own)
+                    show(fold.job_failed(host))  # its held lines are its own failure's: shown after all
             else:
                 st.tail.append(line)
-                if fold_after_failure and host not in failed and (host in held or failed or TEARDOWN_LINE.search(line)):
-                    held.setdefault(host, []).append(line)
+                if fold_after_failure:
+                    show(fold.line(host, line, time.monotonic()))
                 else:
                     emit(host, line)
                 prefixed = pdsh_split(line, addresses or {})
@@ -395,6 +396,7 @@ def follow(
         signal.signal(signal.SIGTERM, on_sigterm)
     try:
         pump()
+        show(fold.flush())
     except KeyboardInterrupt:
         interrupted = True
         if stop_on_interrupt:
@@ -459,7 +461,7 @@ def follow(
         teardown_result,
         result,
         stopped_elsewhere=stopped and not interrupted,
-        folded={h: len(lines) for h, lines in held.items() if lines},
+        folded=fold.folded(root.host if root is not None else ""),
         hang=hang,
         next_attempts=nxt,
     )
