@@ -126,7 +126,9 @@ FLIGHT_RANK = """\
 import os, sys, time
 rank = os.environ["RANK"]
 with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + rank, "w") as f:
-    f.write("trace of rank " + rank + " size " + os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"])
+    # torch 2.13 on the nodes: only the TORCH_FR_* names are set (2.8 and later read them)
+    old = os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "unset")
+    f.write("trace of rank " + rank + " size " + os.environ["TORCH_FR_BUFFER_SIZE"] + " old " + old)
 time.sleep(2)
 if rank == "1":
     sys.exit(3)
@@ -145,5 +147,5 @@ def test_a_failed_runs_flight_recorder_dumps_are_collected(
     assert m, p.stderr[-3000:]
     assert sorted(m.group(1).split(", ")) == ["node1", "node2", "node3"]
     got = {f.parent.name + "/" + f.name: f.read_text() for f in Path(m.group(2)).glob("*/*")}
-    assert got == {f"node{r + 1}/rank_{r}": f"trace of rank {r} size 2000" for r in range(3)}, got
+    assert got == {f"node{r + 1}/rank_{r}": f"trace of rank {r} size 2000 old unset" for r in range(3)}, got
     assert no_leftovers_within(sandbox_cluster, 10) == CLEAN

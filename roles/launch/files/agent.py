@@ -206,7 +206,9 @@ class Progress:
     """Whether the job showed progress: host.log grew, or the script touched its progress file."""
 
     def __init__(self) -> None:
-        self.seen = self.look()
+        # nothing seen yet: what the job wrote before the guard started is its first progress
+        # (the supervisor's hang watchdog counts from every host's first)
+        self.seen: tuple[int, float] = (0, 0.0)
         self.said = 0.0
 
     def look(self) -> tuple[int, float]:

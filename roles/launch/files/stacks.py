@@ -44,6 +44,12 @@ NONE_MARK = "@@nodeops-stack-none "  # agent.py stacks: no rank of the run runs 
 METHODS = ("auto", "py-spy", "signal")
 TAG_VAR = "NODEOPS_RUN_ID"  # in the environment of every process of a run (protocol.TAG_VAR)
 SHIM = "mpi_shim.sh"  # runner mpirun: the shell each rank runs under (never the rank itself)
+# The hang watchdog (the ssh supervisor's and Slurm's watch.py): its clock starts at every node's
+# first progress; before that (imports, rendezvous, a cold page cache) it fires only after this
+# long at least. A hang timeout under HANG_TIMEOUT_MIN is refused: the watchdog looks once a
+# second, and a step of a healthy job may print less often than that.
+HANG_STARTUP_GRACE = 300.0
+HANG_TIMEOUT_MIN = 5.0
 
 # The ranks' sitecustomize.py. Written into hook/ by start.sh; never raises (a rank must start
 # whatever happens here); then runs the sitecustomize it hides, if any.
@@ -93,10 +99,27 @@ def _nodeops_raised_hook(run_dir):
     sys.excepthook = hook
 
 
+def _nodeops_fr_names():
+    # The flight recorder's variables as the installed torch reads them: PyTorch 2.8 renamed
+    # them TORCH_FR_* and reads the old names with a deprecation warning on every rank (the
+    # switch NVIDIA's nvidia-resiliency-ext makes too, its PR 163). Found without importing
+    # torch; a torch whose version cannot be read gets both names, as before.
+    try:
+        from importlib.metadata import version
+
+        major, minor = (int(x) for x in version("torch").split("+")[0].split(".")[:2])
+    except Exception:
+        return ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), \
+            ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if (major, minor) >= (2, 8):
+        return ("TORCH_FR_BUFFER_SIZE",), ("TORCH_FR_DUMP_TEMP_FILE",)
+    return ("TORCH_NCCL_TRACE_BUFFER_SIZE",), ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",)
+
+
 def _nodeops_flight_recorder(run_dir):
     # PyTorch's NCCL flight recorder (read when the rank creates its NCCL process group, after
-    # this): each variable only where the env (the spec's env, network.nccl) does not set it,
-    # under its old and its new name alike, so either spelling the user chose wins.
+    # this): each variable only where the env (the spec's env, network.nccl) does not set it
+    # under either name (what the user set wins), and only under the names this torch reads.
     env = _os.environ
     size = next((env[k] for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE") if k in env), "2000")
     if size.strip() in ("", "0"):
@@ -104,10 +127,14 @@ def _nodeops_flight_recorder(run_dir):
     d = _os.path.join(run_dir, "flight")
     _os.makedirs(d, exist_ok=True)
     dump = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") or _os.path.join(d, "rank_")
-    for k, v in (("TORCH_FR_BUFFER_SIZE", size), ("TORCH_NCCL_TRACE_BUFFER_SIZE", size),
-                 ("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
-                 ("TORCH_FR_DUMP_TEMP_FILE", dump), ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", dump)):
-        env.setdefault(k, v)
+    sizes, dumps = _nodeops_fr_names()
+    if not any(k in env for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")):
+        for k in sizes:
+            env[k] = size
+    if not any(k in env for k in ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")):
+        for k in dumps:
+            env[k] = dump
+    env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
 def _nodeops_chain():

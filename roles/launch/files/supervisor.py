@@ -19,6 +19,8 @@ switch). The decision is made here, once:
 - with ``hang_timeout`` (the hang watchdog): when no host showed progress (log output, or the
   script's progress file) for that long, every guard takes its ranks' stacks, the ranks whose
   stack differs from the majority are named in ``hang.json`` and the run stops as ``hung``.
+  The clock starts once every job has shown progress; until then (start-up) the limit is at
+  least ``protocol.HANG_STARTUP_GRACE``.
 
 Then it writes ``result.json`` and exits, always. Progress goes to ``supervisor.log``.
 """
@@ -182,6 +184,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     first_at = 0.0
     last_progress = time.monotonic()
     hang: dict[str, Any] = {}  # the watchdog fired: {"asked", "idle", "dumps", "done"}
+    progressed: set[str] = set()  # hosts whose job showed progress once: until all have, it is start-up
     hang_report: dict[str, Any] | None = None
     held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
 
@@ -223,6 +226,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             lk.watching = True
         elif line == "progress":
             last_progress = time.monotonic()
+            progressed.add(lk.name)
         elif words[0] == "stack" and hang:
             with contextlib.suppress(ValueError):
                 hang["dumps"].append(dict(json.loads(line[len("stack ") :]), host=lk.name))
@@ -282,10 +286,16 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
     while len(gone) < len(links):
         quiet = time.monotonic() - last_progress
+        # The watchdog counts from every job's first progress; before that (imports, rendezvous,
+        # a cold start) only a start-up that takes far longer is a hang.
+        started = all(lk.name in progressed for lk in links if lk.has_job)
+        limit = hang_timeout if started else max(hang_timeout, S.HANG_STARTUP_GRACE)
         if (hang_timeout and not hang and first is None and outcome == "ok" and stopping_since is None
-                and sweep_since is None and quiet > hang_timeout):  # fmt: skip
+                and sweep_since is None and quiet > limit):  # fmt: skip
             hang.update(asked=time.monotonic(), idle=quiet, dumps=[], done=set())
-            log(f"no progress for {quiet:.0f}s (hang timeout {hang_timeout:.0f}s): taking every rank's stack")
+            late = [lk.name for lk in links if lk.has_job and lk.name not in progressed]
+            waiting = f", in start-up: no progress yet from {', '.join(late)}" if late else ""
+            log(f"no progress for {quiet:.0f}s (hang timeout {hang_timeout:.0f}s{waiting}): taking every rank's stack")
             for lk in links:
                 lk.send("stacks")
         answered = hang and (hang["done"] | gone >= {lk.name for lk in links}

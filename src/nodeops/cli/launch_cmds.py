@@ -16,7 +16,7 @@ from nodeops.launch.launchers import runner_prefix as prefix
 from nodeops.lifecycle.launch import launch as do_launch
 from nodeops.setup import gpus
 from nodeops.spec.loading import load_spec
-from nodeops.spec.model import duration_seconds
+from nodeops.spec.model import duration_seconds, hang_timeout_problem
 
 
 class Via(enum.StrEnum):
@@ -130,6 +130,7 @@ def launch(
             metavar="DURATION",
             help="The hang watchdog: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for this "
             "long (90, 90s, 10m, 1h), take every rank's stack, name the stuck ranks and stop the run (exit 124). "
+            "It counts from every node's first progress (start-up gets at least 5 min); at least 5s. "
             "Overrides launch.hang_timeout; 0 turns it off. Pick well above your slowest quiet phase "
             "(checkpointing, the first step's compile): 10m is a sound start.",
         ),
@@ -156,6 +157,8 @@ def launch(
     hang = None if hang_timeout is None else duration_seconds(hang_timeout)
     if hang_timeout is not None and hang is None:
         fail(f"--hang-timeout {hang_timeout!r}: give seconds or a number with a unit, like 90, 90s, 10m or 1h", 2)
+    if hang is not None and hang_timeout_problem(hang):
+        fail(f"--hang-timeout {hang_timeout!r} is too short to mean a hang: {hang_timeout_problem(hang)}", 2)
     user_argv = list(ctx.args)
     if user_argv[:1] == ["--"]:
         user_argv = user_argv[1:]

@@ -137,15 +137,25 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
             os.kill(srun_pid, signal.SIGKILL)
 
 
+def started(first: tuple[tuple[str, int], ...], now: tuple[tuple[str, int], ...], nodes: list[str]) -> bool:
+    """Whether every node's log grew since the watch began (each node's first progress; without
+    node names, any log)."""
+    was = dict(first)
+    grew = {name for name, size in now if name != "progress" and was.get(name) != size}
+    return all(f"{n}.log" in grew for n in nodes) if nodes else bool(grew)
+
+
 def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
-    seen = look(run_dir, nodes)
+    seen = first = look(run_dir, nodes)
     last = time.monotonic()
+    up = False  # every node showed its first progress: until then the limit is the start-up grace
     while alive(srun_pid):
         time.sleep(TICK)
         now = look(run_dir, nodes)
         if now != seen:
             seen, last = now, time.monotonic()
-        elif time.monotonic() - last > timeout:
+            up = up or started(first, now, nodes)
+        elif time.monotonic() - last > (timeout if up else max(timeout, S.HANG_STARTUP_GRACE)):
             fire(run_dir, srun_pid, nodes, timeout, time.monotonic() - last)
             return 0
     return 0

@@ -23,6 +23,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from nodeops.errors import SpecIssue
+from nodeops.node.stacks import HANG_TIMEOUT_MIN
 from nodeops.spec.yamlpos import Located
 
 Port = Annotated[int, Field(ge=1, le=65535)]
@@ -536,6 +537,14 @@ def duration_seconds(value: Any) -> float | None:
     return float(m.group(1)) * _UNITS[m.group(2)] if m else None
 
 
+def hang_timeout_problem(secs: float) -> str:
+    """Why a hang timeout (seconds; 0 is off) cannot be used, or ''."""
+    if 0 < secs < HANG_TIMEOUT_MIN:
+        return (f"the smallest is {HANG_TIMEOUT_MIN:g}s (the watchdog looks once a second; a shorter one cannot tell "
+                "a hang from a quiet step); 10m is a sound start; 0 turns it off")  # fmt: skip
+    return ""
+
+
 class LaunchSpec(_Model):
     runner: Literal["torchrun", "mpirun", "deepspeed"] = Field("torchrun", description="How ranks are started.")
     master_port: Port = Field(29500, description="MASTER_PORT on the chief.")
@@ -549,7 +558,8 @@ class LaunchSpec(_Model):
         None,
         description="The hang watchdog: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for this "
         "long, every rank's stack is taken, the stuck ranks are named and the run stops as hung (exit 124). "
-        "Seconds, or 90s, 10m, 1h; off unless set (0 is off too). --hang-timeout overrides it.",
+        "The clock starts at every node's first progress (start-up gets at least 5 min). Seconds, or 90s, 10m, 1h; "
+        "at least 5s; off unless set (0 is off too). --hang-timeout overrides it.",
     )
 
     restarts: Annotated[int, Field(ge=0)] = Field(
@@ -576,8 +586,9 @@ class LaunchSpec(_Model):
     )
     flight_recorder: bool | None = Field(
         None,
-        description="PyTorch's NCCL flight recorder: every rank gets TORCH_NCCL_TRACE_BUFFER_SIZE=2000, "
-        "TORCH_NCCL_DUMP_ON_TIMEOUT=1 and a dump file in the run dir (each unless env or network.nccl sets it), so a "
+        description="PyTorch's NCCL flight recorder: every rank gets a buffer of 2000 entries, "
+        "TORCH_NCCL_DUMP_ON_TIMEOUT=1 and a dump file in the run dir, under the names its torch reads (TORCH_FR_* "
+        "from torch 2.8; each unless env or network.nccl sets it), so a "
         "collective timeout leaves one dump per rank; a failed or hung run's dumps are copied into its record. "
         "Default: on when a node lists GPUs (gpus: [...] or auto); ssh backend.",
     )
@@ -590,6 +601,9 @@ class LaunchSpec(_Model):
         secs = duration_seconds(v)
         if secs is None:
             raise _err(f"{v!r} is not a duration", "write seconds or a number with a unit: 90, 90s, 10m, 1h")
+        problem = hang_timeout_problem(secs)
+        if problem:
+            raise _err(f"{v!r} is too short to mean a hang", problem)
         return secs or None
 
     @field_validator("restart_backoff", mode="before")

@@ -214,6 +214,9 @@ def test_stacks_is_refused_on_a_backend_without_it(tmp_path: Path, monkeypatch: 
     assert r.exit_code == 2 and "nodeops stacks cannot be used with backend: slurm" in r.output, r.output
     r = CliRunner().invoke(app, ["launch", "--hang-timeout", "soon", "x.yaml", "t.py"])
     assert r.exit_code == 2 and "--hang-timeout 'soon': give seconds or a number with a unit" in r.output, r.output
+    r = CliRunner().invoke(app, ["launch", "--hang-timeout", "0.001", "x.yaml", "t.py"])
+    assert r.exit_code == 2 and "--hang-timeout '0.001' is too short to mean a hang" in r.output, r.output
+    assert "the smallest is 5s" in r.output, r.output
 
 
 @pytest.mark.parametrize("name", sorted(backends.REGISTRY))

@@ -47,33 +47,50 @@ def test_the_launch_asks_for_it_where_the_spec_has_gpus_unless_the_spec_says(tex
             assert ("NODEOPS_FLIGHT_RECORDER" in forwarded) == on, argv
 
 
-def rank_env(tmp_path: Path, env: dict[str, str], rank: bool = True) -> dict[str, str | None]:
+def rank_env(
+    tmp_path: Path, env: dict[str, str], rank: bool = True, torch: str = "2.13.0+cpu"
+) -> dict[str, str | None]:
     """What a process's os.environ holds once the hook (as start.sh writes it) has run: a rank
-    of the run (RANK set), or another Python process that sees the same PYTHONPATH."""
+    of the run (RANK set), or another Python process that sees the same PYTHONPATH; the torch
+    it finds installed is a distribution's metadata of version ``torch``, first on the path."""
     run = tmp_path / "20261124-101500-ab12"
     (run / S.HOOK_DIR).mkdir(parents=True)
     (run / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
+    dist = tmp_path / "dists" / f"torch-{torch.split('+')[0]}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {torch}\n")
     code = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {NAMES!r}}}))"
-    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(run / S.HOOK_DIR), "NODEOPS_RUN_ID": run.name}
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{run / S.HOOK_DIR}:{dist.parent}", "NODEOPS_RUN_ID": run.name}
     base |= {"RANK": "3"} if rank else {}
     p = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                        check=True, cwd=tmp_path)  # fmt: skip
     return dict(json.loads(p.stdout))
 
 
-def test_the_hook_sets_each_variable_the_env_leaves_unset(tmp_path: Path) -> None:
-    got = rank_env(tmp_path, {"NODEOPS_FLIGHT_RECORDER": "1"})
-    dump = str(tmp_path / "20261124-101500-ab12" / S.FLIGHT_DIR / "rank_")
+def test_the_hook_sets_only_the_names_the_installed_torch_reads(tmp_path: Path) -> None:
+    # torch 2.8 and later: TORCH_FR_* (the old names would print a deprecation warning per rank)
+    dump = str(tmp_path / "new" / "20261124-101500-ab12" / S.FLIGHT_DIR / "rank_")
+    got = rank_env(tmp_path / "new", {"NODEOPS_FLIGHT_RECORDER": "1"}, torch="2.11.0+cu128")
+    assert got == {**dict.fromkeys(NAMES), "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_FR_DUMP_TEMP_FILE": dump}  # fmt: skip
+    assert (tmp_path / "new" / "20261124-101500-ab12" / S.FLIGHT_DIR).is_dir()
+    # before 2.8: only the old names exist
+    dump = str(tmp_path / "old" / "20261124-101500-ab12" / S.FLIGHT_DIR / "rank_")
+    got = rank_env(tmp_path / "old", {"NODEOPS_FLIGHT_RECORDER": "1"}, torch="2.5.1")
+    assert got == {**dict.fromkeys(NAMES), "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}  # fmt: skip
+    # a version that cannot be read: both names
+    dump = str(tmp_path / "odd" / "20261124-101500-ab12" / S.FLIGHT_DIR / "rank_")
+    got = rank_env(tmp_path / "odd", {"NODEOPS_FLIGHT_RECORDER": "1"}, torch="nightly")
     assert got == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dump,
                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}  # fmt: skip
-    assert (tmp_path / "20261124-101500-ab12" / S.FLIGHT_DIR).is_dir()
 
 
 def test_what_the_user_set_wins_under_either_name(tmp_path: Path) -> None:
     mine = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "50", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0", "TORCH_FR_DUMP_TEMP_FILE": "/x/f_"}
     got = rank_env(tmp_path / "a", {"NODEOPS_FLIGHT_RECORDER": "1", **mine})
-    assert got == {**mine, "TORCH_FR_BUFFER_SIZE": "50", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/f_"}
+    assert got == {**dict.fromkeys(NAMES), **mine}  # nothing added under the other names
     # a size of 0 turns the recorder off: nothing more is set
     got = rank_env(tmp_path / "b", {"NODEOPS_FLIGHT_RECORDER": "1", "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"})
     assert got == {**dict.fromkeys(NAMES), "TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}

@@ -49,7 +49,10 @@ print("rank {rank} up", flush=True)
 {func}()
 """
 
+# (the ranks start a second after the step, as torchrun's do: the watch has looked by then, and
+# their first lines are their first progress)
 STEP = """trap 'kill $(jobs -p) 2>/dev/null; wait; exit 143' TERM
+sleep 1
 {ranks}
 wait
 """
@@ -134,6 +137,25 @@ def test_progress_without_output_keeps_the_watchdog_quiet_and_it_ends_with_the_s
     assert step.wait(timeout=10) == 0
     assert w.returncode == 0 and w.stdout == "", w.stdout + w.stderr
     assert not (d / W.HANG).exists()
+
+
+def test_a_step_that_has_not_started_yet_is_not_called_hung(tmp_path: Path) -> None:
+    # silent from the start (imports, rendezvous): the 2 s timeout counts from the first progress
+    d = run_dir(tmp_path, 2)
+    step = start_step(d, tmp_path, "sleep 6\n")
+    w = subprocess.run([sys.executable, str(d / "watch.py"), str(d), str(step.pid), "nodeA"],
+                       env=env_for(d, tmp_path), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert step.wait(timeout=10) == 0
+    assert w.returncode == 0 and w.stdout == "", w.stdout + w.stderr
+    assert not (d / W.HANG).exists()
+
+
+def test_started_means_every_nodes_log_grew() -> None:
+    first = (("nodeA.log", 10), ("nodeB.log", 0))
+    assert not W.started(first, (("nodeA.log", 20), ("nodeB.log", 0)), ["nodeA", "nodeB"])
+    assert W.started(first, (("nodeA.log", 20), ("nodeB.log", 5)), ["nodeA", "nodeB"])
+    assert not W.started(first, (*first, ("progress", 7)), ["nodeA", "nodeB"])  # the progress file is not a node
+    assert W.started((), (("nodeC.log", 1),), [])  # without node names: any log
 
 
 def test_no_config_no_watchdog(tmp_path: Path) -> None:

@@ -393,6 +393,16 @@ def test_the_hang_watchdog_names_the_rank_whose_stack_differs(tmp_path: Path) ->
     assert wait_clean(dirs) == []
 
 
+def test_the_watchdog_counts_from_the_first_progress(tmp_path: Path) -> None:
+    # silent from the start (imports, rendezvous) for twice the timeout: start-up, not a hang
+    chief, dirs = make_run(tmp_path, {"a": "sleep 7; echo done; exit 0\n", "b": "sleep 7; exit 0\n"})
+    cfg = json.loads((chief / "run.json").read_text())
+    (chief / "run.json").write_text(json.dumps({**cfg, "hang_timeout": 3}))
+    res = result_of(chief, start(dirs), timeout=60)
+    assert res["outcome"] == "ok", res
+    assert wait_clean(dirs) == []
+
+
 def test_progress_without_output_keeps_the_watchdog_quiet(tmp_path: Path) -> None:
     quiet = "for i in $(seq 1 16); do touch progress; sleep 0.5; done; exit 0\n"
     chief, dirs = make_run(tmp_path, {"a": quiet, "b": "sleep 8; exit 0\n"})
