@@ -4,6 +4,7 @@ that reaches a host through a cluster's generated ssh_config."""
 from __future__ import annotations
 
 import concurrent.futures
+import socket
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -31,3 +32,15 @@ def last_line(text: str, default: str) -> str:
     """The last non-blank line of a command's stderr (ssh puts its reason there), or default."""
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else default
+
+
+def tcp_reason(address: str, port: int, timeout: float = 5.0) -> str:
+    """Why this machine cannot open a TCP connection to ``address:port`` (the OS's words, e.g.
+    'No route to host', 'timed out'); '' when it can. No ssh: no key or host key is needed."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return ""
+    except TimeoutError:
+        return f"connecting to {address}:{port} timed out after {timeout:g}s"
+    except OSError as e:
+        return f"{address}:{port}: {e.strerror or e}"

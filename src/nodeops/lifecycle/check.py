@@ -25,8 +25,10 @@ def check(spec_path: Path, sink: Sink, *, group: str | None = None, timeout: flo
     report = backend.check(loaded, timeout, sink)
     if backend.capabilities.preflight:  # what the spec needs that the last setup did not give: rows too
         diffs = setup_state.differences(loaded) or []
+        # a node that ssh cannot reach fails once, for that (setup cannot reach it either)
+        dead = {r.host for r in report.rows if r.check == "ssh" and r.status == FAIL}
         report.rows += [Row(h, "setup", FAIL, f"{d.what}: {d.detail}; fix: {setup_state.fix(loaded, [d])}")
-                        for d in diffs for h in d.hosts]  # fmt: skip
+                        for d in diffs for h in d.hosts if h not in dead]  # fmt: skip
     return loaded, report
 
 

@@ -13,6 +13,7 @@ from nodeops.setup import state as setup_state
 from nodeops.setup.render import inventory
 from nodeops.setup.runner import run_playbook
 from nodeops.spec.model import LoadedSpec
+from nodeops.transport import fan_out, tcp_reason
 
 
 def setup_gate(loaded: LoadedSpec, doing: str, skip: str = "", ignore: Sequence[str] = ()) -> None:
@@ -22,10 +23,27 @@ def setup_gate(loaded: LoadedSpec, doing: str, skip: str = "", ignore: Sequence[
     diffs = setup_state.differences(loaded, ignore)
     if not diffs:
         return
+    new_nodes = [h for d in diffs if (d.what, d.detail, d.role) == setup_state.NEVER for h in d.hosts]
+    dead = unreachable(loaded, new_nodes)
+    if dead:  # setup cannot give them anything either: that is the fix to name, once per host
+        raise ExitWith(EXIT_FAILURE, "\n".join(f"{h}: {why}" for h, why in dead.items()) + "\n"
+                       f"{', '.join(dead)} cannot be reached from this machine (never set up, and setup "
+                       f"cannot reach {'it' if len(dead) == 1 else 'them'} either); nothing was {doing}. "
+                       "fix: bring the node up, or take it out of the spec")  # fmt: skip
     lines = "\n".join(f"  {d.line()}" for d in diffs)
     raise UsageError(f"{loaded.file}: the spec changed since the last setup, in what setup provides; "
                      f"nothing was {doing}:\n{lines}\n"
                      f"  fix: {setup_state.fix(loaded, diffs)}" + (f"  ({skip})" if skip else ""))  # fmt: skip
+
+
+def unreachable(loaded: LoadedSpec, aliases: Sequence[str]) -> dict[str, str]:
+    """Of these nodes, those whose sshd this machine cannot reach over TCP, with the OS's reason
+    (nodes behind a proxy_jump are not probed: only the bastion can say)."""
+    spec = loaded.spec
+    by_alias = {spec.alias(n): n for n in spec.nodes}
+    direct = [a for a in aliases if a in by_alias and spec.group(by_alias[a]).proxy_jump is None]
+    found = fan_out(direct, lambda a: tcp_reason(by_alias[a].address, spec.group(by_alias[a]).port))
+    return {a: why for a, why in found.items() if why}
 
 
 def sync_workdir(loaded: LoadedSpec, sink: Sink) -> None:

@@ -120,7 +120,7 @@ def setup(request: SetupRequest, sink: Sink, on_update: Callable[[dict[str, Host
                 return RunResult(0, "successful", hosts, setup_state.record_path(loaded.cluster_name).parent,
                                  time.monotonic() - started, ansible=False)  # fmt: skip
             for h in need:
-                sink.note(f"    {h}: " + "; ".join(f"{role}: {why}" for role, why in run[h].items()))
+                sink.note(f"    {h}: {setup_fast.reasons(run[h])}")
             wd = loaded.spec.workdir
             relay = inv["all"]["vars"]["nodeops_relay"] and wd is not None and wd.sync == "rsync"
             joined = [h for h in setup_fast.joins(run, chief, loaded.spec.mesh.mode, relay=relay) if h not in need]

@@ -267,6 +267,15 @@ def decide(roles: Mapping[str, Sequence[str]], wanted: Mapping[str, Mapping[str,
     return out
 
 
+def reasons(why: Mapping[str, str]) -> str:
+    """Why roles run on a host, each reason once with the roles it applies to (an unreachable
+    node gives every role the same one)."""
+    roles: dict[str, list[str]] = {}
+    for role, reason in why.items():
+        roles.setdefault(reason, []).append(role)
+    return "; ".join(f"{', '.join(names)}: {reason}" for reason, names in roles.items())
+
+
 def add_gate(run: dict[str, dict[str, str]], roles: Mapping[str, Sequence[str]],
              diffs: Sequence[setup_state.Difference], chief: str) -> None:  # fmt: skip
     """Add what `launch` and `check` would refuse (setup_state.differences: what the spec needs

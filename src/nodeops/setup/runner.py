@@ -200,8 +200,12 @@ _SSH_REASON = re.compile(r"^(?:.*\s)?(ssh: .*|Host key verification failed.*)$")
 
 def _event_error(res: Mapping[str, Any]) -> str:
     failed_items = [r for r in res.get("results") or () if isinstance(r, Mapping) and r.get("failed")]
-    if failed_items:  # a loop: each failed item's own message (an input check names only its rule)
-        return "; ".join(_event_error(r) for r in failed_items)
+    if failed_items:  # a loop: each failed item's own message (an input check names only its rule), once
+        said: dict[str, int] = {}
+        for r in failed_items:
+            why = _event_error(r)
+            said[why] = said.get(why, 0) + 1
+        return "; ".join(why + (f" ({n} items)" if n > 1 else "") for why, n in said.items())
     msg = str(res.get("msg") or "")
     # For unreachable hosts, ssh's own line ("ssh: connect to host ...: No route to host") says why.
     ssh_lines = [m.group(1).strip() for m in map(_SSH_REASON.search, msg.splitlines()) if m]

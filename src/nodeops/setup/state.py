@@ -181,7 +181,8 @@ class Difference:
         return f"{self.what}: {self.detail} (on {', '.join(self.hosts)})"
 
 
-def _host_differences(spec_needs: Mapping[str, Any], had: Mapping[str, Any], runner: str) -> list[tuple[str, str, str]]:
+def _host_differences(spec_needs: Mapping[str, Any], had: Mapping[str, Any], runner: str,
+                      new_nodes: Sequence[str] = ()) -> list[tuple[str, str, str]]:  # fmt: skip
     out: list[tuple[str, str, str]] = []
     missing = [p for p in spec_needs["packages"] if p not in (had.get("packages") or [])]
     if "packages" in had and missing:
@@ -214,10 +215,14 @@ def _host_differences(spec_needs: Mapping[str, Any], had: Mapping[str, Any], run
                     else "deepspeed needs .deepspeed_env and the hostfile, which setup has not written",
                     "deepspeed_env"))  # fmt: skip
     if "ssh_mesh" in had:
-        new_hosts = [h for h in spec_needs["ssh_mesh"] if h not in (had["ssh_mesh"] or [])]
+        # a node never set up is named once, as such (not again on every node whose mesh lacks it)
+        new_hosts = [h for h in spec_needs["ssh_mesh"] if h not in (had["ssh_mesh"] or []) and h not in new_nodes]
         if new_hosts:
             out.append(("nodes", f"{', '.join(new_hosts)} not in the chief's ssh mesh", "ssh_mesh"))
     return out
+
+
+NEVER = ("nodes", "never set up", "all roles")  # a difference: nodes this machine never set up
 
 
 def differences(loaded: LoadedSpec, ignore: Sequence[str] = ()) -> list[Difference] | None:
@@ -228,11 +233,13 @@ def differences(loaded: LoadedSpec, ignore: Sequence[str] = ()) -> list[Differen
     if had is None:
         return None
     grouped: dict[tuple[str, str, str], list[str]] = {}
-    for host, want in needs(loaded).items():
-        if host not in had or had[host].get("address") != want["address"]:
-            grouped.setdefault(("nodes", "never set up", "all roles"), []).append(host)
+    wanted = needs(loaded)
+    new_nodes = [h for h, want in wanted.items() if h not in had or had[h].get("address") != want["address"]]
+    for host, want in wanted.items():
+        if host in new_nodes:
+            grouped.setdefault(NEVER, []).append(host)
             continue
-        for key in _host_differences(want, had[host], loaded.spec.launch.runner):
+        for key in _host_differences(want, had[host], loaded.spec.launch.runner, new_nodes):
             if key[2] not in ignore:
                 grouped.setdefault(key, []).append(host)
     return [Difference(what, detail, role, tuple(hosts)) for (what, detail, role), hosts in grouped.items()]

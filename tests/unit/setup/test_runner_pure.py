@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nodeops import resources
-from nodeops.setup import runner
+from nodeops.setup import fast, runner
 
 
 @pytest.mark.parametrize(
@@ -173,6 +173,17 @@ def test_event_error_of_a_loop_names_only_the_failed_items() -> None:
         {"failed": True, "msg": "shared_path: shared_path_path must be absolute (got 'x')"},
     ]}  # fmt: skip
     assert _event_error(res) == "shared_path: shared_path_path must be absolute (got 'x')"
+    # the same reason for every item (an unreachable node) is said once
+    dead = {"failed": True, "msg": "Data could not be sent\nssh: connect to host 10.0.0.4 port 22: No route to host"}
+    res = {"msg": "One or more items failed", "results": [dead] * 5 + [{"failed": True, "msg": "other"}]}
+    assert _event_error(res) == "ssh: connect to host 10.0.0.4 port 22: No route to host (5 items); other"
+
+
+def test_the_reasons_roles_run_say_each_reason_once() -> None:
+    dead = "the probe could not read the node (ssh: connect to host 10.0.0.4 port 22: No route to host)"
+    assert fast.reasons({"packages": dead, "ssh_mesh": dead, "python_env": "new"}) == (
+        f"packages, ssh_mesh: {dead}; python_env: new"
+    )
 
 
 def test_each_source_tree_gets_its_own_collection_link(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
