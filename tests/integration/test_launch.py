@@ -221,11 +221,15 @@ def test_detach_status_logs_stop_leave_nothing(
     assert ranks and all(line.startswith("node1 [rank0]:") for line in ranks), ranks[-5:]
     st = cli("status", run_id)  # a new process finds the run again by its id
     assert st.returncode == 0 and st.stdout.split() == ["node1", "running", "node2", "running", "node3", "running"]
+    by_spec = cli("status", str(project / "cluster.yaml"))  # or by its spec: the latest run of it
+    assert by_spec.returncode == 0 and f"run {run_id}: the latest launched from " in by_spec.stderr, by_spec.stderr
     stop = cli("stop", run_id)
     assert stop.returncode == 0, stop.stderr
     assert no_leftovers_within(sandbox_cluster, 5) == CLEAN
-    st = cli("status", run_id)
-    assert st.returncode == 1 and st.stdout.split() == ["node1", "killed", "node2", "killed", "node3", "killed"]
+    st = cli("status", run_id)  # stopped on request: not a failure
+    assert st.returncode == 0 and st.stdout.split() == ["node1", "stopped", "(killed)", "node2", "stopped", "(killed)",
+                                                        "node3", "stopped", "(killed)"], st.stdout  # fmt: skip
+    assert f"run {run_id}: stopped on request" in st.stderr and "Traceback" not in st.stdout + st.stderr
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
