@@ -14,7 +14,11 @@ When an attempt fails, the supervisor asks, in order:
   the root-cause rule named); the first spare left takes its node rank, else the run goes on with
   one node fewer while that leaves at least ``min_nodes``; the chief is never excluded (it runs
   rank 0 and this supervisor);
-- after how long (:func:`backoff`): ``restart_backoff`` doubled per restart, at most 60 s.
+- after how long (:func:`backoff`): ``restart_backoff`` doubled per restart, at most 60 s;
+- whether it is a loop (:func:`loop`): the same failure (:func:`signature`: its kind, the
+  culprit's node rank, its exit code or signal in words) after the culprit was replaced by
+  another host is the job's own fault (a bad shard, a poisoned checkpoint), which no node swap
+  fixes: the run stops there, naming the hosts excluded for it.
 
 Each attempt's ranks get :func:`attempt_env` (node count, node rank, world size, restart count).
 """
@@ -61,6 +65,27 @@ def should_restart(kind: str, restart_on: str, done: int, restarts: int) -> tupl
     if restart_on != "any" and kind not in INFRA:
         return False, "the script's own error (restart_on: infra restarts only infrastructure faults)"
     return True, ""
+
+
+def signature(kind: str, rank: int | None, why: str) -> list[Any]:
+    """What tells one failure from another across attempts: its kind, the culprit's node rank
+    (None: no host blamed) and its words (the exit code or signal, as the attempt records them)."""
+    return [kind, rank, why]
+
+
+def loop(earlier: Sequence[dict[str, Any]], sig: list[Any], culprit: str | None) -> str:
+    """Why the run must not restart again, or '': an earlier attempt failed with the same
+    signature on another host (so replacing that host did not help). A lost host is a host's
+    fault every time; a failure nobody is blamed for has no host to compare."""
+    if sig[0] == "lost" or culprit is None:
+        return ""
+    same = [a for a in earlier if a.get("signature") == sig]
+    if not same or same[-1].get("culprit") in (None, culprit):
+        return ""
+    hosts = " then ".join([*(str(a.get("culprit")) for a in same), culprit])
+    excluded = [h for a in same for h in a.get("excluded") or []]
+    return (f"the same failure twice ({sig[0]} at node rank {sig[1]}: {sig[2]}; on {hosts}): not a node fault; "
+            "not restarting" + (f" ({', '.join(excluded)} excluded for it)" if excluded else ""))  # fmt: skip
 
 
 def next_hosts(

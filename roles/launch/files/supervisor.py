@@ -443,9 +443,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if result["outcome"] not in ("failed", "hung") or not restarts:
             break
         kind, culprit, why = culprit_of(result)
-        a.update(kind=kind, culprit=culprit, why=why)
+        rank = a["hosts"].index(culprit) if culprit in a["hosts"] else None
+        a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, why))
         again, why_not = R.should_restart(kind, str(rec.get("restart_on") or "infra"), n, restarts)
-        if not again:
+        why_not = why_not if not again else R.loop(attempts[:-1], a["signature"], culprit)
+        if not again or why_not:
             a["decision"] = f"no restart: {why_not}"
             break
         chosen, decision, excluded = choose(active, spares, culprit, kind, int(rec.get("min_nodes") or 1), run_id)

@@ -276,10 +276,15 @@ def decide(run_dir: str, attempt: int, code: int, signal: str = "") -> tuple[lis
     allocation = list(doc.get("allocation") or active)
     in_order = sorted(active, key=lambda n: allocation.index(n) if n in allocation else len(allocation))
     kind, culprit, why = classify(batch, tails, in_order, states, hang, run_dir, float(a.get("started") or 0))
-    a.update(kind=kind, culprit=culprit, why=why)
+    # its place in the attempt's nodes (a spare takes the culprit's place there; c10d gives ranks by arrival)
+    rank = active.index(culprit) if culprit in active else None
+    a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, why))
     again, why_not = R.should_restart(kind, str(cfg.get("restart_on") or "infra"), attempt, int(cfg["restarts"]))
     if again and signal:
         again, why_not = False, f"{signal} came (the time limit is near)"
+    if again:
+        why_not = R.loop(doc["attempts"][:-1], a["signature"], culprit)
+        again = not why_not
     if not again:
         _close(doc, path, f"no restart: {why_not}")
         return None

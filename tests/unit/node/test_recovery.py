@@ -49,6 +49,20 @@ def test_infra_restarts_infrastructure_faults_only_and_any_restarts_all() -> Non
     assert R.should_restart("lost", "any", 1, 0) == (False, "")
 
 
+def test_the_same_failure_after_its_host_was_replaced_is_a_loop() -> None:
+    sig = R.signature("signal", 1, "exited -9")
+    first = {"attempt": 1, "culprit": "node2", "signature": sig, "excluded": ["node2"]}
+    assert R.loop([], sig, "node2") == ""  # the first time
+    said = R.loop([first], sig, "node4")
+    assert said == ("the same failure twice (signal at node rank 1: exited -9; on node2 then node4): not a node "
+                    "fault; not restarting (node2 excluded for it)")  # fmt: skip
+    assert R.loop([first], sig, "node2") == ""  # the same host again (the chief, or not excluded): no swap was tried
+    assert R.loop([first], R.signature("signal", 2, "exited -9"), "node4") == ""  # another rank: another failure
+    lost = R.signature("lost", 1, "its guard was lost")
+    assert R.loop([{**first, "signature": lost}], lost, "node4") == ""  # a lost machine is the machine's fault
+    assert R.loop([first], sig, None) == ""
+
+
 def test_a_spare_takes_the_culprits_node_rank() -> None:
     hosts, spare, said = R.next_hosts([CHIEF, H2, H3], [SPARE], "h2", True, 3)
     assert [h["name"] for h in hosts or []] == ["h1", "h4", "h3"] and spare is SPARE
@@ -153,6 +167,25 @@ def test_a_killed_rank_is_replaced_by_the_spare_and_the_run_finishes(tmp_path: P
     assert "attempt 2 node rank 0 of 3" in (dirs[0] / P.LOG).read_text()
     assert not (dirs[1] / P.ATTEMPTS_DIR).exists() and (dirs[1] / P.EXIT).read_text().strip() == "137"
     assert json.loads((dirs[0] / P.ATTEMPTS).read_text())["done"] is True
+    assert wait_clean(dirs) == []
+
+
+@pytest.mark.slow
+def test_the_same_failure_on_the_spare_stops_the_restarts_and_names_the_host_excluded_for_it(tmp_path: Path) -> None:
+    # whatever runs as node rank 1 dies of SIGKILL (a bad shard, a poisoned checkpoint): no node swap helps
+    rank1 = READY + "sleep 0.3; kill -9 $$\n"
+    others = READY + "exec sleep 30\n"
+    jobs = {"h1": others, "h2": rank1, "h3": others, "h4": rank1, "h5": rank1}
+    dirs = make_run(tmp_path, jobs, {"h4", "h5"}, {"restarts": 3, "restart_on": "infra", "min_nodes": 3, "backoff": 0})
+    res = verdict(dirs, launch(dirs, {"h4", "h5"}))
+    assert res["outcome"] == "failed", res
+    first, second = res["attempts"]  # type: ignore[misc]
+    assert (first["culprit"], first["excluded"], second["culprit"]) == ("h2", ["h2"], "h4"), res["attempts"]
+    assert second["decision"] == (
+        "no restart: the same failure twice (signal at node rank 1: exited 137; on h2 "
+        "then h4): not a node fault; not restarting (h2 excluded for it)"
+    ), second
+    assert not (dirs[4] / P.JOB).exists()  # the second spare was never used
     assert wait_clean(dirs) == []
 
 

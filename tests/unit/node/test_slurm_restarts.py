@@ -203,6 +203,22 @@ def test_the_scripts_own_error_is_not_restarted_and_the_batch_node_is_never_excl
     assert attempts(d)["attempts"][0]["outcome"] == "hung"
 
 
+def test_the_same_failure_on_the_spare_ends_the_restarts(run_dir: Path) -> None:
+    d = run_dir
+    SF.start(str(d), "node1", ["node1", "node2", "node3"])
+    (d / "batch.log").write_text("srun: error: node2: task 1: Killed\n")
+    assert SF.decide(str(d), 1, 137) == (["node1", "node3"], 4.0)  # the spare takes node2's place
+    SF.begin(str(d), 2)
+    with (d / "batch.log").open("a") as f:
+        f.write(f"{SF.ATTEMPT_MARK}2/3 ...\nsrun: error: node3: task 1: Killed\n")
+    assert SF.decide(str(d), 2, 137) is None
+    a = attempts(d)
+    assert a["done"] and a["attempts"][1]["decision"] == (
+        "no restart: the same failure twice (signal at node rank 1: killed; on node2 then node3): not a node fault; "
+        "not restarting (node2 excluded for it)"
+    )
+
+
 def test_the_command_line_answers_what_the_batch_script_reads(run_dir: Path) -> None:
     env = {**os.environ, "PYTHONPATH": ""}
     pkg = run_dir / SF.PACKAGE_DIR
