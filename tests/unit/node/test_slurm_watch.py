@@ -129,20 +129,17 @@ def test_the_watchdog_names_the_stuck_rank_and_ends_the_step(tmp_path: Path) -> 
     assert alive_ranks(d) == []
 
 
-def test_progress_without_output_keeps_the_watchdog_quiet_and_it_ends_with_the_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "body",
+    [
+        'for i in $(seq 1 10); do touch "$NODEOPS_PROGRESS_FILE"; sleep 0.5; done\n',  # progress without output
+        "sleep 6\n",  # silent from the start (imports, rendezvous): the 2 s count from the first progress
+    ],
+    ids=["progress-without-output", "not-started-yet"],
+)
+def test_a_quiet_step_is_not_called_hung_and_the_watchdog_ends_with_it(tmp_path: Path, body: str) -> None:
     d = run_dir(tmp_path, 2)
-    step = start_step(d, tmp_path, 'for i in $(seq 1 10); do touch "$NODEOPS_PROGRESS_FILE"; sleep 0.5; done\n')
-    w = subprocess.run([sys.executable, str(d / "watch.py"), str(d), str(step.pid), "nodeA"],
-                       env=env_for(d, tmp_path), capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert step.wait(timeout=10) == 0
-    assert w.returncode == 0 and w.stdout == "", w.stdout + w.stderr
-    assert not (d / W.HANG).exists()
-
-
-def test_a_step_that_has_not_started_yet_is_not_called_hung(tmp_path: Path) -> None:
-    # silent from the start (imports, rendezvous): the 2 s timeout counts from the first progress
-    d = run_dir(tmp_path, 2)
-    step = start_step(d, tmp_path, "sleep 6\n")
+    step = start_step(d, tmp_path, body)
     w = subprocess.run([sys.executable, str(d / "watch.py"), str(d), str(step.pid), "nodeA"],
                        env=env_for(d, tmp_path), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert step.wait(timeout=10) == 0
