@@ -206,9 +206,7 @@ class Progress:
     """Whether the job showed progress: host.log grew, or the script touched its progress file."""
 
     def __init__(self) -> None:
-        # nothing seen yet: what the job wrote before the guard started is its first progress
-        # (the supervisor's hang watchdog counts from every host's first)
-        self.seen: tuple[int, float] = (0, 0.0)
+        self.seen = self.look()
         self.said = 0.0
 
     def look(self) -> tuple[int, float]:
@@ -282,13 +280,17 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
     scan = LogScan()
     recent: deque[str] = deque(maxlen=P.TAIL_LINES)  # what the ranks printed before torchrun's failure line
     agent_failed_said = False
+    ranks_up = False  # a rank of this host printed (the log is read from its start): said once
     stopped = False
     buf = b""
     while True:
         ready = select.select([0], [], [], 0.2)[0]
         # The log first: a failure printed before a stop arrives is reported, not lost to the stop.
-        if agent_final or pdsh:
+        if agent_final or pdsh or (watch_progress and not ranks_up):
             for line in scan.lines():
+                if watch_progress and not ranks_up and P.RANK_OUTPUT.search(line):
+                    ranks_up = True
+                    say("ranks-up")  # the hang watchdog's clock starts once every host said so
                 m = P.AGENT_FAILED.search(line) if agent_final and not agent_failed_said else None
                 if m:
                     agent_failed_said = True

@@ -19,6 +19,9 @@ PGID = "pgid"  # the job's process group (its leader is bash job.sh)
 EXIT = "exit_code"  # the job's exit code, written by the agent when the job ends
 KILLED = "killed"  # written when the job was stopped while running (by stop, fail-fast or lost supervision)
 LOST = "lost"  # why the agent stopped the job on its own (the dead man's switch)
+# A line a rank printed, in a host's log: torchrun's `[rankN]:` prefix (after its \x1e mark),
+# mpirun's --tag-output `[job,rank]<stdout>:`, anywhere on the line (pdsh puts its address first).
+RANK_OUTPUT = re.compile(r"\[rank\d+\]:|\[\d+,\d+\]<std(?:out|err)>:")
 HEARTBEAT = "heartbeat"  # touched by the guard at every heartbeat from the supervisor
 PROGRESS = "progress"  # the script may touch it ($NODEOPS_PROGRESS_FILE): progress for the hang watchdog
 HANG = "hang.json"  # the hang watchdog's report and every rank's stack (chief only)

@@ -25,6 +25,7 @@ Each attempt's ranks get :func:`attempt_env` (node count, node rank, world size,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,10 +68,16 @@ def should_restart(kind: str, restart_on: str, done: int, restarts: int) -> tupl
     return True, ""
 
 
-def signature(kind: str, rank: int | None, why: str) -> list[Any]:
+def signature(kind: str, rank: int | None, code: Any, why: str) -> list[Any]:
     """What tells one failure from another across attempts: its kind, the culprit's node rank
-    (None: no host blamed) and its words (the exit code or signal, as the attempt records them)."""
-    return [kind, rank, why]
+    (None: no host blamed) and what it was, the same however it was reported: the signal or exit
+    code (``code``: a shell's 128+N and torchrun's -N are both signal N), else its words without
+    durations (a hang's 'no progress for 41s' is the same hang after 43 s)."""
+    if isinstance(code, int) and not isinstance(code, bool):
+        what = f"signal {-code}" if code < 0 else f"signal {code - 128}" if code > 128 else f"exit code {code}"
+    else:
+        what = re.sub(r"\b\d+(?:\.\d+)?\s?s\b", "N s", why)
+    return [kind, rank, what]
 
 
 def loop(earlier: Sequence[dict[str, Any]], sig: list[Any], culprit: str | None) -> str:

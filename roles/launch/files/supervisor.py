@@ -19,8 +19,9 @@ switch). The decision is made here, once:
 - with ``hang_timeout`` (the hang watchdog): when no host showed progress (log output, or the
   script's progress file) for that long, every guard takes its ranks' stacks, the ranks whose
   stack differs from the majority are named in ``hang.json`` and the run stops as ``hung``.
-  The clock starts once every job has shown progress; until then (start-up) the limit is at
-  least ``protocol.HANG_STARTUP_GRACE``.
+  The clock starts once a rank printed on every job's host (the guards say ``ranks-up``); until
+  then, and at most ``stacks.HANG_STARTUP_GRACE`` from the attempt's start, the limit is at least
+  that grace.
 
 Then it writes ``result.json`` and exits, always. Progress goes to ``supervisor.log``.
 """
@@ -184,7 +185,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     first_at = 0.0
     last_progress = time.monotonic()
     hang: dict[str, Any] = {}  # the watchdog fired: {"asked", "idle", "dumps", "done"}
-    progressed: set[str] = set()  # hosts whose job showed progress once: until all have, it is start-up
+    progressed: set[str] = set()  # hosts where a rank printed: until all have, it is start-up
+    began = time.monotonic()
     hang_report: dict[str, Any] | None = None
     held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
 
@@ -225,6 +227,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         if line == "watching":
             lk.watching = True
         elif line == "progress":
+            last_progress = time.monotonic()
+        elif line == "ranks-up":
             last_progress = time.monotonic()
             progressed.add(lk.name)
         elif words[0] == "stack" and hang:
@@ -286,9 +290,12 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
     while len(gone) < len(links):
         quiet = time.monotonic() - last_progress
-        # The watchdog counts from every job's first progress; before that (imports, rendezvous,
-        # a cold start) only a start-up that takes far longer is a hang.
-        started = all(lk.name in progressed for lk in links if lk.has_job)
+        # The watchdog counts from the moment a rank printed on every job's host; before that
+        # (imports, rendezvous, a checkpoint's load) only a start-up that takes far longer is a
+        # hang. The start-up ends after HANG_STARTUP_GRACE in any case (a script whose ranks print
+        # on one host only, or not at all, is watched by the timeout from then on).
+        started = (all(lk.name in progressed for lk in links if lk.has_job)
+                   or time.monotonic() - began > S.HANG_STARTUP_GRACE)  # fmt: skip
         limit = hang_timeout if started else max(hang_timeout, S.HANG_STARTUP_GRACE)
         if (hang_timeout and not hang and first is None and outcome == "ok" and stopping_since is None
                 and sweep_since is None and quiet > limit):  # fmt: skip
@@ -444,7 +451,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             break
         kind, culprit, why = culprit_of(result)
         rank = a["hosts"].index(culprit) if culprit in a["hosts"] else None
-        a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, why))
+        code = (result.get("first_failure") or {}).get("code") if kind != "lost" else None
+        a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, code, why))
         again, why_not = R.should_restart(kind, str(rec.get("restart_on") or "infra"), n, restarts)
         why_not = why_not if not again else R.loop(attempts[:-1], a["signature"], culprit)
         if not again or why_not:

@@ -209,6 +209,9 @@ def runs(
     """
 
     with errors():
+        odd = [s for s in state or [] if s not in R.STATES]
+        if odd:
+            fail(f"--state {odd[0]!r}: use one of {', '.join(R.STATES)}", EXIT_SPEC)
         found = R.local_runs()
         if spec is not None:
             found = control.runs_of_spec(found, spec)

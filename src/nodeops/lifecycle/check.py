@@ -10,6 +10,7 @@ from nodeops.check.preflight import FAIL, Report, Row
 from nodeops.errors import ExitWith, NodeopsError, UsageError
 from nodeops.lifecycle import load_cluster
 from nodeops.lifecycle.fabric import run_fabric
+from nodeops.lifecycle.gates import unreachable
 from nodeops.node.fabric import FabricReport
 from nodeops.setup import state as setup_state
 from nodeops.spec.model import LoadedSpec
@@ -25,8 +26,9 @@ def check(spec_path: Path, sink: Sink, *, group: str | None = None, timeout: flo
     report = backend.check(loaded, timeout, sink)
     if backend.capabilities.preflight:  # what the spec needs that the last setup did not give: rows too
         diffs = setup_state.differences(loaded) or []
-        # a node that ssh cannot reach fails once, for that (setup cannot reach it either)
-        dead = {r.host for r in report.rows if r.check == "ssh" and r.status == FAIL}
+        # a node this machine cannot reach fails once, for its ssh row (setup cannot reach it either)
+        no_ssh = [r.host for r in report.rows if r.check == "ssh" and r.status == FAIL]
+        dead = set(unreachable(loaded, no_ssh)) if diffs and no_ssh else set()
         report.rows += [Row(h, "setup", FAIL, f"{d.what}: {d.detail}; fix: {setup_state.fix(loaded, [d])}")
                         for d in diffs for h in d.hosts if h not in dead]  # fmt: skip
     return loaded, report

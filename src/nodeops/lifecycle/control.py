@@ -42,11 +42,22 @@ def runs_of_spec(found: Sequence[R.Run], target: str) -> list[R.Run]:
     return [r for r in found if r.job.spec == key]
 
 
-def live_conflict(live: Sequence[R.Run]) -> str:
-    """Why plain ``stop`` refuses: every live run, with its spec, and how to name one."""
+def live_conflict(live: Sequence[R.Run], of_spec: bool = False) -> str:
+    """Why ``stop`` refuses: every live run, with its spec, and how to name one."""
     rows = "\n".join(f"  {r.job.run_id}  {r.state:8} {r.job.backend:5} {r.job.spec or '?'}" for r in live)
-    return (f"{len(live)} runs are live here; say which to stop (a run id, or the spec file it was "
-            f"launched from):\n{rows}\nfor example: nodeops stop {live[0].job.run_id}")  # fmt: skip
+    which = "a run id" if of_spec else "a run id, or the spec file it was launched from"
+    return (f"{len(live)} runs{' of this spec' if of_spec else ''} are live here; say which to stop ({which}):\n"
+            f"{rows}\nfor example: nodeops stop {live[0].job.run_id}")  # fmt: skip
+
+
+def only_live(found: list[R.Run], of_spec: bool) -> R.Run | None:
+    """The one live run of ``found`` (asking each chief about runs without a verdict), None when
+    none is live; more than one is refused (a command that acts must not guess)."""
+    R.refresh(found)
+    live = [r for r in found if r.state in LIVE]
+    if len(live) > 1:
+        raise UsageError(live_conflict(live, of_spec))
+    return live[0] if live else None
 
 
 def pick(target: str | None, sink: Sink, *, acts: bool = False) -> store.Job:
@@ -62,17 +73,17 @@ def pick(target: str | None, sink: Sink, *, acts: bool = False) -> store.Job:
         if not found:
             raise store.RunIdError(f"no run was launched from {spec_key(target)} on this machine "
                                    "(`nodeops runs` lists the runs and their specs)")  # fmt: skip
+        live = only_live(found, of_spec=True) if acts else None
+        if live is not None:
+            sink.note(f"run {live.job.run_id}: the live run launched from {live.job.spec}")
+            return live.job
         job = found[0].job
         sink.note(f"run {job.run_id}: the latest launched from {job.spec}")
         return job
     if acts:
-        found = R.local_runs()
-        R.refresh(found)
-        live = [r for r in found if r.state in LIVE]
-        if len(live) > 1:
-            raise UsageError(live_conflict(live))
-        if live:
-            job = live[0].job
+        one = only_live(R.local_runs(), of_spec=False)
+        if one is not None:
+            job = one.job
             sink.note(f"run {job.run_id} ({job.spec or 'no spec recorded'}): the only live run here")
             return job
     job = store.find(None)
@@ -122,7 +133,8 @@ def stacks(target: str | None, native: bool, method: str, sink: Sink) -> dict[st
                 if not dumps:
                     st = backend.run_state(job)
             if not dumps and st.state in LIVE:
-                raise UsageError(f"run {job.run_id} started no rank within {STACKS_WAIT:.0f} s ({st.detail}); "
+                why = "".join(f"; {h}: {w}" for h, w in none.items())
+                raise UsageError(f"run {job.run_id} started no rank within {STACKS_WAIT:.0f} s ({st.detail}{why}); "
                                  "`nodeops logs` shows what it is doing")  # fmt: skip
     if not dumps:
         why = "; ".join(f"{h}: {w}" for h, w in none.items()) or "no host answered"

@@ -31,6 +31,7 @@ from nodeops.spec.model import duration_seconds
 from nodeops.transport import fan_out, last_line, ssh_argv
 
 FINISHED = ("ok", "failed", "stopped", "hung", "gone")  # what clean may remove
+STATES = ("starting", "running", *FINISHED, "unreachable", "unknown")  # every state `runs` shows
 INFERRED_MIN_AGE = 600.0  # a run without a verdict (gone, or failed while starting) is this old before clean takes it
 
 

@@ -191,6 +191,27 @@ def one_prefix(line: str) -> str:
     return m.group(1) + line[m.end() :] if m else line
 
 
+# Inside a traceback: the chaining lines between two exceptions, and c10d's own log lines
+# (`[E1126 ...] ProcessGroupNCCL ...`) that a rank prints while it unwinds.
+_CHAINED = re.compile(r"^(During handling of the above exception|The above exception was the direct cause)")
+_IN_BLOCK = re.compile(
+    r"^(Traceback \(most recent call last\):|During handling of the above exception|"
+    r"The above exception was the direct cause|\[[EWIF]\d{4}|\^+\s*$|~+)"
+)
+
+
+@dataclass
+class _Block:
+    """A rank's traceback held by LiveFold: since when, its lines, its exceptions' lines, and
+    whether the last line was an exception's (the chain may still go on)."""
+
+    since: float
+    lines: list[str]
+    last: float = 0.0  # when its last line came
+    errors: list[str] = field(default_factory=list)
+    ended: bool = False
+
+
 class LiveFold:
     """What an attached launch shows live while a run fails, so that the failure is not buried:
 
@@ -205,13 +226,14 @@ class LiveFold:
     Every line stays in the logs and the tails; ``folded`` counts what was not shown."""
 
     BLOCK_WAIT = 3.0  # seconds a traceback is held without its last line before it is shown
+    CHAIN_WAIT = 0.5  # seconds after an exception's line in which a chained one may follow
 
     def __init__(self) -> None:
         self.failed: list[str] = []  # hosts whose job failed, in the order it was seen
         self.held: dict[str, list[str]] = {}
         self.victims: dict[str, int] = {}  # host -> lines of tracebacks that end in a lost peer
         self.report: dict[str, int] = {}  # host -> lines of torchrun's failure report
-        self.blocks: dict[tuple[str, str], tuple[float, list[str]]] = {}  # (host, rank prefix) -> traceback so far
+        self.blocks: dict[tuple[str, str], _Block] = {}  # (host, rank prefix) -> its traceback so far
 
     def line(self, host: str, line: str, now: float) -> list[tuple[str, str]]:
         """The (host, line) pairs to show now for this line of ``host``'s log."""
@@ -222,13 +244,21 @@ class LiveFold:
                 return []
             return self._show(host, line)
         key, text = (host, m.group(0)), _PREFIXES.sub("", line)
-        if key in self.blocks:
-            self.blocks[key][1].append(line)
-            if text and not text[0].isspace() and not text.startswith("Traceback"):
-                return self._settle(key, text)
+        block = self.blocks.get(key)
+        if block is not None:
+            if block.ended and not (text.strip() == "" or _CHAINED.match(text) or text.startswith("Traceback")):
+                out = self._settle(key)  # the chain ended at its last exception: this line is not the block's
+                return out + self.line(host, line, now)
+            block.lines.append(line)
+            block.last = now
+            if text and not text[0].isspace() and not _IN_BLOCK.match(text):
+                block.errors.append(text)  # an exception's line: the chain may go on ("During handling ...")
+                block.ended = True
+            elif text.startswith("Traceback"):
+                block.ended = False
             return []
         if text.startswith("Traceback (most recent call last):"):
-            self.blocks[key] = (now, [line])
+            self.blocks[key] = _Block(now, [line], now)
             return []
         return self._show(host, line)
 
@@ -238,10 +268,12 @@ class LiveFold:
         return [(host, line) for line in self.held.pop(host, [])]
 
     def due(self, now: float) -> list[tuple[str, str]]:
-        """Tracebacks held longer than BLOCK_WAIT without their last line: shown."""
+        """Tracebacks settled by time: one that ended (no chained exception followed within
+        CHAIN_WAIT), or one held BLOCK_WAIT without its last line (shown)."""
         out: list[tuple[str, str]] = []
-        for key in [k for k, (since, _) in self.blocks.items() if now - since >= self.BLOCK_WAIT]:
-            out += self._settle(key, "")
+        for key in [k for k, b in self.blocks.items()
+                    if now - b.since >= self.BLOCK_WAIT or (b.ended and now - b.last >= self.CHAIN_WAIT)]:  # fmt: skip
+            out += self._settle(key)
         return out
 
     def flush(self) -> list[tuple[str, str]]:
@@ -251,19 +283,24 @@ class LiveFold:
         """Lines not shown, by host: held, victims' tracebacks, and torchrun's failure report of
         every host but ``root`` (whose report the verdict counts itself)."""
         out: dict[str, int] = {}
-        for counts in ({h: len(v) for h, v in self.held.items()}, self.victims,
+        open_blocks: dict[str, int] = {}  # not settled (the follow was interrupted): not shown either
+        for (h, _), b in self.blocks.items():
+            open_blocks[h] = open_blocks.get(h, 0) + len(b.lines)
+        for counts in ({h: len(v) for h, v in self.held.items()}, self.victims, open_blocks,
                        {h: n for h, n in self.report.items() if h != root}):  # fmt: skip
             for h, n in counts.items():
                 if n:
                     out[h] = out.get(h, 0) + n
         return out
 
-    def _settle(self, key: tuple[str, str], last: str) -> list[tuple[str, str]]:
-        _, lines = self.blocks.pop(key)
-        if last and P.PEER_LOST.search(last):
-            self.victims[key[0]] = self.victims.get(key[0], 0) + len(lines)
+    def _settle(self, key: tuple[str, str]) -> list[tuple[str, str]]:
+        """A traceback (with its chained ones) is a victim's when every exception in it is a lost
+        peer's; any other is shown whole, as is one that never got its last line."""
+        b = self.blocks.pop(key)
+        if b.ended and b.errors and all(P.PEER_LOST.search(e) for e in b.errors):
+            self.victims[key[0]] = self.victims.get(key[0], 0) + len(b.lines)
             return []
-        return [pair for line in lines for pair in self._show(key[0], line)]
+        return [pair for line in b.lines for pair in self._show(key[0], line)]
 
     def _show(self, host: str, line: str) -> list[tuple[str, str]]:
         if host not in self.failed and (host in self.held or self.failed or TEARDOWN_LINE.search(line)):

@@ -278,7 +278,7 @@ def decide(run_dir: str, attempt: int, code: int, signal: str = "") -> tuple[lis
     kind, culprit, why = classify(batch, tails, in_order, states, hang, run_dir, float(a.get("started") or 0))
     # its place in the attempt's nodes (a spare takes the culprit's place there; c10d gives ranks by arrival)
     rank = active.index(culprit) if culprit in active else None
-    a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, why))
+    a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, None, why))
     again, why_not = R.should_restart(kind, str(cfg.get("restart_on") or "infra"), attempt, int(cfg["restarts"]))
     if again and signal:
         again, why_not = False, f"{signal} came (the time limit is near)"

@@ -147,11 +147,12 @@ def started(first: tuple[tuple[str, int], ...], now: tuple[tuple[str, int], ...]
 
 def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
     seen = first = look(run_dir, nodes)
-    last = time.monotonic()
-    up = False  # every node showed its first progress: until then the limit is the start-up grace
+    last = began = time.monotonic()
+    up = False  # every node showed its first progress: until then (at most the grace) the limit is the grace
     while alive(srun_pid):
         time.sleep(TICK)
         now = look(run_dir, nodes)
+        up = up or time.monotonic() - began > S.HANG_STARTUP_GRACE
         if now != seen:
             seen, last = now, time.monotonic()
             up = up or started(first, now, nodes)

@@ -152,3 +152,18 @@ def test_stacks_gives_up_on_a_run_that_starts_no_rank(
     with pytest.raises(UsageError, match=f"run {ids[2]} has no live rank to take a stack of"):
         control.stacks(ids[2], False, "auto", Recorder())
     assert fake.asked == 1
+
+
+def test_stop_by_spec_takes_its_live_run_and_refuses_two(
+    fake: States, two_clusters: tuple[Path, Path, list[str]]
+) -> None:
+    a, _, ids = two_clusters
+    fake.states = {ids[0]: "running"}  # the older run of a.yaml is live; its latest (ids[2]) ended
+    sink = Recorder()
+    control.stop(str(a), sink)
+    assert fake.calls == [("stop", ids[0])]
+    assert ("note", f"run {ids[0]}: the live run launched from {a.resolve()}") in sink.events
+    fake.states = {ids[0]: "running", ids[2]: "running"}
+    with pytest.raises(UsageError, match=r"^2 runs of this spec are live here; say which to stop \(a run id\)"):
+        control.stop(str(a), Recorder())
+    assert fake.calls == [("stop", ids[0])]

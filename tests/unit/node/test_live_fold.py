@@ -47,9 +47,41 @@ def test_a_traceback_of_the_scripts_own_error_is_shown_whole() -> None:
     fold = LiveFold()
     own = ["[rank1]:[rank1]: Traceback (most recent call last):", '[rank1]:[rank1]:   File "t.py", line 3',
            "[rank1]:[rank1]: ValueError: bad batch"]  # fmt: skip
-    assert fold.line("node2", own[0], 0.0) == [] and fold.line("node2", own[1], 0.0) == []
-    assert fold.line("node2", own[2], 0.0) == [("node2", line) for line in own]
+    for line in own:
+        assert fold.line("node2", line, 0.0) == []
+    assert fold.due(0.4) == []  # a chained exception may still follow
+    assert fold.due(LiveFold.CHAIN_WAIT) == [("node2", line) for line in own]
     assert fold.folded() == {}
+    # the rank's next line settles it at once
+    for line in own:
+        fold.line("node2", line, 1.0)
+    assert fold.line("node2", "[rank1]:bye", 1.1) == [("node2", line) for line in [*own, "[rank1]:bye"]]
+
+
+def test_a_chain_is_one_block_folded_only_when_every_exception_is_a_lost_peer() -> None:
+    own_then_peer = ["[rank0]: Traceback (most recent call last):", "[rank0]: ValueError: bad shard", "[rank0]: ",
+                     "[rank0]: During handling of the above exception, another exception occurred:", "[rank0]: ",
+                     "[rank0]: Traceback (most recent call last):",
+                     "[rank0]: [E1126 10:00:00.1 ProcessGroupNCCL.cpp:1] [PG 0] watchdog",  # c10d's log line
+                     "[rank0]: RuntimeError: Connection closed by peer [10.0.0.2]:1"]  # fmt: skip
+    fold = LiveFold()
+    for line in own_then_peer:
+        assert fold.line("node1", line, 0.0) == []
+    assert fold.flush() == [("node1", line) for line in own_then_peer]
+    peer_twice = [own_then_peer[0], "[rank0]: RuntimeError: Connection reset by peer", "[rank0]: ",
+                  "[rank0]: The above exception was the direct cause of the following exception:", "[rank0]: ",
+                  *own_then_peer[5:]]  # fmt: skip
+    fold = LiveFold()
+    for line in peer_twice:
+        fold.line("node1", line, 0.0)
+    assert fold.flush() == [] and fold.folded() == {"node1": len(peer_twice)}
+
+
+def test_tracebacks_still_held_when_the_follow_is_interrupted_are_counted() -> None:
+    fold = LiveFold()
+    fold.line("node3", "[rank2]: Traceback (most recent call last):", 0.0)
+    fold.line("node3", '[rank2]:   File "t.py", line 3', 0.0)
+    assert fold.folded() == {"node3": 2}
 
 
 def test_a_traceback_without_its_last_line_is_shown_after_a_while() -> None:

@@ -50,15 +50,18 @@ def test_infra_restarts_infrastructure_faults_only_and_any_restarts_all() -> Non
 
 
 def test_the_same_failure_after_its_host_was_replaced_is_a_loop() -> None:
-    sig = R.signature("signal", 1, "exited -9")
+    sig = R.signature("signal", 1, -9, "torchrun reported a failed worker (exit code -9)")
+    assert sig == R.signature("signal", 1, 137, "exited 137") == ["signal", 1, "signal 9"]  # however reported
+    hang = R.signature("hang", 2, None, "no progress for 41s; rank 2 stuck in fetch (t.py:3)")
+    assert hang == R.signature("hang", 2, None, "no progress for 43s; rank 2 stuck in fetch (t.py:3)")
     first = {"attempt": 1, "culprit": "node2", "signature": sig, "excluded": ["node2"]}
     assert R.loop([], sig, "node2") == ""  # the first time
     said = R.loop([first], sig, "node4")
-    assert said == ("the same failure twice (signal at node rank 1: exited -9; on node2 then node4): not a node "
+    assert said == ("the same failure twice (signal at node rank 1: signal 9; on node2 then node4): not a node "
                     "fault; not restarting (node2 excluded for it)")  # fmt: skip
     assert R.loop([first], sig, "node2") == ""  # the same host again (the chief, or not excluded): no swap was tried
-    assert R.loop([first], R.signature("signal", 2, "exited -9"), "node4") == ""  # another rank: another failure
-    lost = R.signature("lost", 1, "its guard was lost")
+    assert R.loop([first], R.signature("signal", 2, -9, ""), "node4") == ""  # another rank: another failure
+    lost = R.signature("lost", 1, None, "its guard was lost")
     assert R.loop([{**first, "signature": lost}], lost, "node4") == ""  # a lost machine is the machine's fault
     assert R.loop([first], sig, None) == ""
 
@@ -182,7 +185,7 @@ def test_the_same_failure_on_the_spare_stops_the_restarts_and_names_the_host_exc
     first, second = res["attempts"]  # type: ignore[misc]
     assert (first["culprit"], first["excluded"], second["culprit"]) == ("h2", ["h2"], "h4"), res["attempts"]
     assert second["decision"] == (
-        "no restart: the same failure twice (signal at node rank 1: exited 137; on h2 "
+        "no restart: the same failure twice (signal at node rank 1: signal 9; on h2 "
         "then h4): not a node fault; not restarting (h2 excluded for it)"
     ), second
     assert not (dirs[4] / P.JOB).exists()  # the second spare was never used

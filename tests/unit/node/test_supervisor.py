@@ -351,13 +351,15 @@ def test_strays_of_a_job_that_exited_0_are_swept(tmp_path: Path) -> None:
     assert wait_clean(dirs) == []
 
 
+# Each rank prints one line with torchrun's `[rankN]:` prefix (the hang watchdog's clock starts
+# once every host's ranks printed), then blocks in its function.
 RANK_JOB = """export RANK={rank} PYTHONPATH="$PWD/hook"
 exec {python} -c '
 import time
 def {func}():
     while True:
         time.sleep(0.2)
-print("rank {rank} up", flush=True)
+print("[rank{rank}]:up", flush=True)
 {func}()
 '
 """
@@ -400,6 +402,21 @@ def test_the_watchdog_counts_from_the_first_progress(tmp_path: Path) -> None:
     (chief / "run.json").write_text(json.dumps({**cfg, "hang_timeout": 3}))
     res = result_of(chief, start(dirs), timeout=60)
     assert res["outcome"] == "ok", res
+    assert wait_clean(dirs) == []
+
+
+def test_a_run_silent_from_the_start_is_hung_once_the_start_up_grace_is_over(tmp_path: Path) -> None:
+    chief, dirs = make_run(tmp_path, {"a": "exec sleep 60\n", "b": "exec sleep 60\n"})
+    for d in dirs:  # a grace of 4 s instead of 300 (the shipped stacks.py is what the supervisor reads)
+        shipped = (d / "stacks.py").read_text()
+        assert "HANG_STARTUP_GRACE = 300.0" in shipped
+        (d / "stacks.py").write_text(shipped.replace("HANG_STARTUP_GRACE = 300.0", "HANG_STARTUP_GRACE = 4.0"))
+    cfg = json.loads((chief / "run.json").read_text())
+    (chief / "run.json").write_text(json.dumps({**cfg, "hang_timeout": 2}))
+    t0 = time.monotonic()
+    res = result_of(chief, start(dirs), timeout=60)
+    assert res["outcome"] == "hung", res
+    assert time.monotonic() - t0 >= 4
     assert wait_clean(dirs) == []
 
 

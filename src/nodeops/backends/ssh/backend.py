@@ -443,8 +443,8 @@ def in_home(script: str) -> str:
 
 def ended_by_stop(state: str) -> bool:
     """A host state that a stop on request leaves (its ranks killed, or exited on the signal);
-    processes still alive, or an unreachable host, are not."""
-    return state == "killed" or re.fullmatch(r"exited -?\d+", state) is not None
+    a job that had finished (exited 0), processes still alive, or an unreachable host are not."""
+    return state == "killed" or (re.fullmatch(r"exited -?\d+", state) is not None and state != "exited 0")
 
 
 class SshBackend(Backend):
