@@ -19,8 +19,10 @@
     died) it stops the run here. It exits once the job here has ended, or after a stop where
     there is no job.
 
-With ``--watch-progress`` (the hang watchdog is on) it also says ``progress`` (at most once a
-second) when ``host.log`` grew or the script touched ``progress`` (``$NODEOPS_PROGRESS_FILE``);
+With ``--watch-progress`` (the supervisor always asks: for the hang watchdog and the run's
+timeline) it also says ``ranks-up`` once a rank's line is in ``host.log``, and ``progress`` (at
+most once a second) when ``host.log`` grew or the script touched ``progress``
+(``$NODEOPS_PROGRESS_FILE``);
 on ``stacks`` from the supervisor it takes every rank's stack here and says ``stack JSON`` for
 each, then ``stacks-done``.
 

@@ -26,6 +26,7 @@ Each attempt's ranks get :func:`attempt_env` (node count, node rank, world size,
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -167,3 +168,72 @@ def summary(attempts: Sequence[dict[str, Any]], total: int) -> list[str]:
     if len(attempts) < 2 and not any(a.get("decision") for a in attempts):
         return []
     return [describe(a, total) for a in attempts]
+
+
+# --------------------------------------------------------------------------- the run's timeline
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))
+
+
+def fault_time(a: dict[str, Any]) -> float | None:
+    """When an attempt's fault happened: a hang or a lost host at its last progress (nothing
+    was seen after it), any other failure when it was reported."""
+    t = a.get("times") or {}
+    if a.get("kind") in ("hang", "lost") and t.get("last_progress"):
+        return float(t["last_progress"])
+    return float(t["failed"]) if t.get("failed") else None
+
+
+def incident(a: dict[str, Any], nxt: dict[str, Any] | None) -> str:
+    """One fault in a line of offsets from when it happened: detected, ranks stopped, the next
+    attempt's preflight done, its ranks started, training again (its ranks printed), e.g.
+    'attempt 1 -> 2: lost on node3 at 12:01:07; detected +2.1 s; stopped +3.0 s; ...'. '' for an
+    attempt without a recorded fault."""
+    t = a.get("times") or {}
+    at = fault_time(a)
+    if at is None:
+        return ""
+    marks = [("detected", t.get("failed")), ("stopped", t.get("ended") if t.get("stop_sent") else None),
+             ("preflight", a.get("preflight_done")), ("started", (nxt or {}).get("started")),
+             ("training again", ((nxt or {}).get("times") or {}).get("ranks_up"))]  # fmt: skip
+    head = f"attempt {a.get('attempt')}" + (f" -> {nxt.get('attempt')}" if nxt else "")
+    said = "; ".join(f"{name} +{float(v) - at:.1f} s" for name, v in marks if v)
+    return f"{head}: {a.get('kind') or 'failure'} on {a.get('culprit') or '?'} at {_clock(at)}" + (
+        f"; {said}" if said else "")  # fmt: skip
+
+
+def goodput(attempts: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """The run's goodput from its attempts' timelines: the share of its wall time in which
+    training ran (every host's ranks printed, until the fault or the end), and the time lost,
+    split into start-up (the first attempt's, to its ranks' first lines), faults (from each
+    fault to the ranks stopped) and restarts (from there to the next attempt's training).
+    None when the timeline is missing (a run of an older release)."""
+    timed = [a for a in attempts if (a.get("times") or {}).get("began")]
+    if not timed or len(timed) != len(attempts):
+        return None
+    t0 = float(timed[0]["times"]["began"])
+    end = max(float((a.get("times") or {}).get("ended") or a.get("ended") or t0) for a in timed)
+    wall = max(end - t0, 1e-9)
+    train = startup = faults = restarts = 0.0
+    for i, a in enumerate(timed):
+        t = a["times"]
+        up = t.get("ranks_up")
+        stop = fault_time(a) or float(t.get("ended") or t["began"])
+        if up is not None:
+            train += max(0.0, stop - float(up))
+        if i == 0:
+            startup = max(0.0, float(up if up is not None else stop) - float(t["began"]))
+        if fault_time(a) is not None:
+            faults += max(0.0, float(t.get("ended") or stop) - stop)
+            if i + 1 < len(timed):
+                nxt = timed[i + 1]["times"]
+                restarts += max(0.0, float(nxt.get("ranks_up") or nxt.get("ended") or nxt["began"])
+                                - float(t.get("ended") or stop))  # fmt: skip
+    return {"goodput": round(train / wall, 4), "wall": round(wall, 1), "training": round(train, 1),
+            "startup": round(startup, 1), "faults": round(faults, 1), "restarts": round(restarts, 1)}  # fmt: skip
+
+
+def goodput_line(g: dict[str, float]) -> str:
+    """'goodput 87% of 1h02m: lost 41.0 s to start-up, 3.1 s to faults, 12.4 s to restarts'."""
+    lost = [f"{g[k]:.1f} s to {k.replace('startup', 'start-up')}" for k in ("startup", "faults", "restarts") if g[k]]
+    return f"goodput {g['goodput'] * 100:.0f}% of {g['wall']:.1f} s" + (f": lost {', '.join(lost)}" if lost else "")

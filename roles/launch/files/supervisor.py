@@ -147,7 +147,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     run_id = cfg["run_id"]
     hang_timeout = float(cfg.get("hang_timeout") or 0)
     flags = (["--agent-final"] if cfg.get("agent_final") else []) + (["--pdsh"] if cfg.get("pdsh") else [])
-    flags += ["--watch-progress"] if hang_timeout else []
+    flags += ["--watch-progress"]  # progress is the timeline's too (when training ran), not only the watchdog's
     links = [Link(h, run_id, flags) for h in hosts]
     by_address = {lk.address: lk for lk in links}
     events: queue.Queue[tuple[Link, str | None]] = queue.Queue()
@@ -175,6 +175,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             sweep_since = time.monotonic()
         elif stopping_since is None:
             stopping_since = time.monotonic()
+            times["stop_sent"] = time.time()
         log(f"stopping every host: {why}")
         for lk in links:
             if lk.name != spare and lk.name not in gone:
@@ -187,6 +188,10 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     hang: dict[str, Any] = {}  # the watchdog fired: {"asked", "idle", "dumps", "done"}
     progressed: set[str] = set()  # hosts where a rank printed: until all have, it is start-up
     began = time.monotonic()
+    # The attempt's timeline (epoch seconds): when it began, when every host's ranks printed (training
+    # runs), its last progress, when the first failure (or the hang) was seen, when the stop was
+    # sent, and when every host confirmed it.
+    times: dict[str, float] = {"began": time.time()}
     hang_report: dict[str, Any] | None = None
     held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
 
@@ -205,6 +210,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         spare = lk.name if lk.has_job and code != "lost" else ""
         if first is None and outcome == "ok":
             first, first_rank, first_at = entry, rank, time.monotonic()
+            times.setdefault("failed", time.time())
             outcome = "failed"
             log(f"first failure: {lk.name}: {why}")
             if rank == P.CAUSE_PEER:  # a victim spoke first: let the cause report before stopping it
@@ -228,9 +234,13 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             lk.watching = True
         elif line == "progress":
             last_progress = time.monotonic()
+            times["last_progress"] = time.time()
         elif line == "ranks-up":
             last_progress = time.monotonic()
+            times["last_progress"] = time.time()
             progressed.add(lk.name)
+            if "ranks_up" not in times and all(h.name in progressed for h in links if h.has_job):
+                times["ranks_up"] = time.time()
         elif words[0] == "stack" and hang:
             with contextlib.suppress(ValueError):
                 hang["dumps"].append(dict(json.loads(line[len("stack ") :]), host=lk.name))
@@ -300,6 +310,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         if (hang_timeout and not hang and first is None and outcome == "ok" and stopping_since is None
                 and sweep_since is None and quiet > limit):  # fmt: skip
             hang.update(asked=time.monotonic(), idle=quiet, dumps=[], done=set())
+            times.setdefault("failed", time.time())
             late = [lk.name for lk in links if lk.has_job and lk.name not in progressed]
             waiting = f", in start-up: no progress yet from {', '.join(late)}" if late else ""
             log(f"no progress for {quiet:.0f}s (hang timeout {hang_timeout:.0f}s{waiting}): taking every rank's stack")
@@ -333,7 +344,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}", P.CAUSE_LOST,
                      kind="lost")  # fmt: skip
         else:
-            log(f"{lk.name}: {line}")
+            if line != "progress":  # once a second per host: the timeline keeps the last one
+                log(f"{lk.name}: {line}")
             handle(lk, line)
         if sweep_since is None and all(lk.ended is not None for lk in links if lk.has_job):
             # every job ended: sweep the job-less hosts (mpirun/deepspeed ranks), spared ones too
@@ -346,6 +358,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         except subprocess.TimeoutExpired:
             lk.proc.kill()
     took = None if stopping_since is None else round(time.monotonic() - stopping_since, 3)
+    times["ended"] = time.time()
     return {
         "run_id": run_id,
         "outcome": outcome,
@@ -354,6 +367,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         "teardown_seconds": took,
         **({"hang": hang_report} if hang_report is not None else {}),
         "reports": [list(r) for r in reports],
+        "times": {k: round(v, 3) for k, v in times.items()},
     }
 
 
@@ -462,6 +476,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         a.update(decision=decision if chosen is not None else f"no restart: {decision}", excluded=excluded)
         if chosen is None:
             break
+        a["preflight_done"] = round(time.time(), 3)
         log("preflight ok on " + ", ".join(h["name"] for h in chosen))
         wait = R.backoff(float(rec.get("backoff") or 0), n)
         a["backoff"] = wait
@@ -508,6 +523,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             r = a.pop("result", None) or {}
             a.setdefault("first_failure", r.get("first_failure"))
             a.setdefault("teardown_seconds", r.get("teardown_seconds"))
+            a.setdefault("times", r.get("times") or {})
         result["attempts"] = attempts
         result["attempts_total"] = total
         save(done=True)

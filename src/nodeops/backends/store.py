@@ -18,6 +18,7 @@ from typing import Any
 
 from nodeops.errors import NodeopsError
 from nodeops.node import protocol as P
+from nodeops.node import recovery
 from nodeops.node.failures import exit_code_for
 from nodeops.resources import nodeops_home
 from nodeops.setup.render import pins_digest, ssh_config_text, ssh_target_from_record
@@ -181,6 +182,22 @@ def faults(result: dict[str, Any]) -> str:
             + (f" ({', '.join(a['excluded'])} excluded)" if a.get("excluded") else "")
             for a in attempts if a.get("culprit")]  # fmt: skip
     return f"{len(attempts)} attempt(s)" + (f"; faults: {'; '.join(said)}" if said else "")
+
+
+def timed_attempts(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """A supervisor result's attempts with their timelines (a run without restarts is one)."""
+    if result.get("attempts"):
+        return [a for a in result["attempts"] if isinstance(a, dict)]
+    first = result.get("first_failure") or {}
+    return [{"attempt": 1, "times": result.get("times") or {}, "kind": first.get("kind"), "culprit": first.get("host")}]
+
+
+def timeline(result: dict[str, Any]) -> tuple[list[str], dict[str, float] | None]:
+    """Each fault of a run in a line of offsets (recovery.incident), and its goodput (or None)."""
+    attempts = timed_attempts(result)
+    lines = [recovery.incident(a, attempts[i + 1] if i + 1 < len(attempts) else None)
+             for i, a in enumerate(attempts)]  # fmt: skip
+    return [line for line in lines if line], recovery.goodput(attempts)
 
 
 def describe(result: dict[str, Any]) -> str:

@@ -201,7 +201,7 @@ def runs(
     ] = None,
 ) -> None:
     """List the runs launched from this machine, newest first: id, state, exit code, runner,
-    hosts, start time and spec.
+    hosts, start time, goodput (the share of its wall time in which training ran) and spec.
 
     A run's state comes from its supervisor's verdict (ok, failed, stopped), kept here once known;
     for the others one ssh to each run's chief says whether it still runs. `gone`: the chief has
@@ -230,12 +230,14 @@ def runs(
             else:
                 err("no runs launched from this machine yet (nodeops launch SPEC train.py starts one)")
             return
-        typer.echo(f"{'RUN ID':20} {'STATE':11} {'EXIT':>4}  {'RUNNER':9} {'HOSTS':>5}  {'STARTED':16}  SPEC")
+        typer.echo(f"{'RUN ID':20} {'STATE':11} {'EXIT':>4}  {'RUNNER':9} {'HOSTS':>5}  {'STARTED':16}  "
+                   f"{'GOODPUT':>7}  SPEC")  # fmt: skip
         for r in found:
             j = r.job
             code = "" if r.exit_code is None else str(r.exit_code)
+            good = "" if r.goodput is None else f"{r.goodput['goodput'] * 100:.0f}%"
             typer.echo(f"{j.run_id:20} {r.state:11} {code:>4}  {j.runner:9} {len(j.kill_hosts):>5}  "
-                       f"{_when(j.started):16}  {j.spec}")  # fmt: skip
+                       f"{_when(j.started):16}  {good:>7}  {j.spec}")  # fmt: skip
 
 
 @app.command(

@@ -53,12 +53,13 @@ class Run:
     size: int = 0  # bytes of its record on the controller
     verdict: bool = False  # the state is the supervisor's verdict (else inferred from what is left)
     attempts: list[dict[str, Any]] = field(default_factory=list)  # automatic restarts: every attempt, as recorded
+    goodput: dict[str, float] | None = None  # share of wall time training ran, time lost (recovery.goodput)
 
     def row(self) -> dict[str, Any]:
         j = self.job
         return {"run_id": j.run_id, "spec": j.spec, "runner": j.runner, "hosts": j.kill_hosts, "chief": j.chief,
                 "state": self.state, "started": j.started, "exit_code": self.exit_code, "detail": self.detail,
-                "argv": j.argv, "attempts": self.attempts}  # fmt: skip
+                "argv": j.argv, "attempts": self.attempts, "goodput": self.goodput}  # fmt: skip
 
 
 def apply_verdict(run: Run, verdict: store.Verdict) -> None:
@@ -67,6 +68,7 @@ def apply_verdict(run: Run, verdict: store.Verdict) -> None:
     run.detail = verdict.detail
     run.exit_code = verdict.exit_code
     run.attempts = store.attempts_of(verdict.raw)
+    run.goodput = store.timeline(verdict.raw)[1] if verdict.raw else None
 
 
 def _size(d: Path) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from nodeops.backends import store
 from nodeops.backends.starter import markers, role_dir
 from nodeops.node import protocol as P
 from nodeops.node import recovery as R
@@ -64,6 +65,26 @@ def test_the_same_failure_after_its_host_was_replaced_is_a_loop() -> None:
     lost = R.signature("lost", 1, None, "its guard was lost")
     assert R.loop([{**first, "signature": lost}], lost, "node4") == ""  # a lost machine is the machine's fault
     assert R.loop([first], sig, None) == ""
+
+
+def test_a_fault_on_the_timeline_and_the_runs_goodput() -> None:
+    t0 = 1_800_000_000.0
+    first = {"attempt": 1, "kind": "lost", "culprit": "node3", "preflight_done": t0 + 104.2,
+             "times": {"began": t0, "ranks_up": t0 + 20, "last_progress": t0 + 100, "failed": t0 + 102.1,
+                       "stop_sent": t0 + 102.2, "ended": t0 + 103.0}}  # fmt: skip
+    second = {"attempt": 2, "started": t0 + 105.0, "times": {"began": t0 + 105.0, "ranks_up": t0 + 121.3,
+                                                              "ended": t0 + 221.3}}  # fmt: skip
+    line = R.incident(first, second)
+    at = time.strftime("%H:%M:%S", time.localtime(t0 + 100))
+    assert line == (f"attempt 1 -> 2: lost on node3 at {at}; detected +2.1 s; stopped +3.0 s; preflight +4.2 s; "
+                    "started +5.0 s; training again +21.3 s")  # fmt: skip
+    assert R.incident(second, None) == ""  # no fault
+    g = R.goodput([first, second])
+    # training: 20 -> 100 (the fault: the lost host's last progress) and 121.3 -> 221.3: 180 s of 221.3
+    assert g == {"goodput": round(180 / 221.3, 4), "wall": 221.3, "training": 180.0, "startup": 20.0,
+                 "faults": 3.0, "restarts": 18.3}  # fmt: skip
+    assert R.goodput_line(g) == "goodput 81% of 221.3 s: lost 20.0 s to start-up, 3.0 s to faults, 18.3 s to restarts"
+    assert R.goodput([{"attempt": 1}]) is None  # an older release's record: no timeline
 
 
 def test_a_spare_takes_the_culprits_node_rank() -> None:
@@ -170,6 +191,11 @@ def test_a_killed_rank_is_replaced_by_the_spare_and_the_run_finishes(tmp_path: P
     assert "attempt 2 node rank 0 of 3" in (dirs[0] / P.LOG).read_text()
     assert not (dirs[1] / P.ATTEMPTS_DIR).exists() and (dirs[1] / P.EXIT).read_text().strip() == "137"
     assert json.loads((dirs[0] / P.ATTEMPTS).read_text())["done"] is True
+    # the fault on the run's timeline: when it was reported, stopped, the spare ready and started
+    incidents, good = store.timeline(res)
+    assert len(incidents) == 1 and incidents[0].startswith("attempt 1 -> 2: signal on h2 at "), incidents
+    assert all(f"; {m} +" in incidents[0] for m in ("detected", "stopped", "preflight", "started")), incidents
+    assert good is not None and 0 <= good["goodput"] < 1 and good["faults"] >= 0, good
     assert wait_clean(dirs) == []
 
 

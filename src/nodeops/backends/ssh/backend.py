@@ -181,13 +181,25 @@ def dry_run(loaded: LoadedSpec, user_argv: list[str], script: str | None, sync: 
 
 
 def report_attempts(result: dict[str, Any], sink: Sink) -> None:
-    """After restarts: every attempt in a line (what ended it, what was decided)."""
+    """After restarts: every attempt in a line (what ended it, what was decided); then each
+    fault's timeline and the run's goodput."""
     attempts = result.get("attempts") or []
     lines = R.summary(attempts, int(result.get("attempts_total") or len(attempts)))
     if lines:
         sink.note(f"==> {len(lines)} attempt(s):")
     for line in lines:
         sink.note(f"    {line}")
+    report_timeline(result, sink)
+
+
+def report_timeline(result: dict[str, Any], sink: Sink) -> None:
+    """Each fault as offsets from when it happened, and the run's goodput (a run with no
+    timeline, from an older release, shows neither)."""
+    incidents, good = store.timeline(result)
+    for line in incidents:
+        sink.note(f"    {line}")
+    if good is not None:
+        sink.note(f"    {R.goodput_line(good)}")
 
 
 def report_hang(job: store.Job, hang: dict[str, Any], sink: Sink) -> None:
@@ -410,6 +422,7 @@ def run_job(
                        f"{teardown_summary(res.teardown_problems)}")  # fmt: skip
     more = store.faults(res.supervisor or {})
     sink.note(f"==> run {run_id} finished: every host exited 0" + (f" ({more})" if more else ""))
+    report_timeline(res.supervisor or {}, sink)
 
 
 # Shell helpers for the remote checks: `alive ID DIR` is true while a process of the run lives
@@ -490,6 +503,7 @@ class SshBackend(Backend):
                       "cannot recover (every other host stops its ranks within seconds of losing it)")  # fmt: skip
         if verdict is not None:
             sink.note(f"run {job.run_id}: {store.describe(verdict)}")
+            report_timeline(verdict, sink)
             if verdict.get("outcome") == "hung" and verdict.get("hang"):
                 report_hang(job, verdict["hang"], sink)
             if verdict.get("outcome") in ("failed", "hung"):
