@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from nodeops.sandbox import cluster as sandbox
 
@@ -77,13 +78,14 @@ def test_first_setup_on_16_nodes_with_stock_sshd_passes_with_the_relay(big: sand
         z.writestr("nodeops_ballast-1.0.dist-info/METADATA", "Metadata-Version: 2.1\nName: nodeops-ballast\n"
                    "Version: 1.0\n")  # fmt: skip
         z.writestr("nodeops_ballast/data.bin", random.Random(43).randbytes(32 * 2**20))
+    sections = {
+        "python": {"venv": "~/.venvs/scale", "packages": ["nodeops-probe==1.0"], "wheelhouse": str(wheels),
+                   "py_spy": False},
+        "workdir": {"path": WORKDIR, "source": str(project)},  # the relay passes on both
+        "network": {"ib": "off"},
+    }  # fmt: skip
     spec = tmp_path / "cluster.yaml"
-    spec.write_text(sb.spec_path.read_text() + (
-        "env: {OMP_NUM_THREADS: 1}\n"
-        f"python: {{venv: ~/.venvs/scale, packages: [nodeops-probe==1.0], wheelhouse: {wheels}, py_spy: false}}\n"
-        f"workdir: {{path: {WORKDIR}, source: {project}}}\n"
-        "network: {ib: 'off'}\n"
-    ))  # fmt: skip
+    spec.write_text(sb.spec_path.read_text() + yaml.safe_dump(sections))
 
     # the chief's sshd as it was, logging to a file: the same config, MaxSessions included
     as_root(sb, "node1", "kill $(cat /run/sshd.pid); for i in $(seq 50); do /usr/sbin/sshd -E /var/log/sshd-it.log "
