@@ -121,6 +121,72 @@ def test_relay_sync_passes_on_the_listed_files_only(tmp_path: Path, monkeypatch:
     assert again.returncode == 0 and re.search(r"localhost\s*: ok=2\s+changed=0", again.stdout), again.stdout
 
 
+# ssh for relay_sync's many-target test: the far side runs here in $TARGETS/<address> (whose
+# stage/ exists, as the role creates the staging dir before the relay), each call holding a mark
+# in $LIVE for half a second (how many transfers run at once); 10.0.0.9 refuses, as ssh says it.
+FAKE_SSH_MANY = """#!/bin/sh
+while [ $# -gt 0 ]; do case "$1" in -i|-p|-o|-l) shift 2;; -*) shift;; *) break;; esac; done
+host=$1
+shift
+if [ "$host" = 10.0.0.9 ]; then
+  echo "ssh: connect to host 10.0.0.9 port 22: Connection refused" >&2
+  exit 255
+fi
+touch "$LIVE/$$"
+ls "$LIVE" | wc -l >> "$PEAK"
+sleep 0.5
+mkdir -p "$TARGETS/$host/stage" && cd "$TARGETS/$host" && sh -c "$*"
+rc=$?
+rm -f "$LIVE/$$"
+exit $rc
+"""
+
+
+def test_relay_sync_passes_on_to_many_targets_a_few_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 43: one task on the relay for every target: at most `forks` transfers at once (each its
+    own ssh from the relay), a result per target, and the one target it cannot reach is named with
+    ssh's reason in a warning and `relayed: false`, while the others hold the source."""
+    bindir, live, targets = tmp_path / "bin", tmp_path / "live", tmp_path / "targets"
+    for d in (bindir, live, targets):
+        d.mkdir()
+    (bindir / "ssh").write_text(FAKE_SSH_MANY)
+    (bindir / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("LIVE", str(live))
+    monkeypatch.setenv("PEAK", str(tmp_path / "peak"))
+    monkeypatch.setenv("TARGETS", str(targets))
+    src = tmp_path / "wheelhouse"
+    src.mkdir()
+    for i in range(3):
+        (src / f"w{i}.whl").write_text(f"wheel {i}\n")
+    nodes = [{"name": f"node{i}", "address": f"10.0.0.{i}"} for i in (2, 3, 4, 5, 9)]
+    task = {"nodeops.cluster.relay_sync": {"src": str(src), "dest": "~/stage/wheelhouse", "key": str(tmp_path / "k"),
+                                           "delete": True, "forks": 2, "targets": nodes}, "register": "r"}  # fmt: skip
+    keep = {
+        "ansible.builtin.copy": {"content": "{{ r | to_json }}", "dest": str(tmp_path / "result.json"), "mode": "0600"}
+    }
+    p = play(tmp_path, [task, keep])
+    assert p.returncode == 0, p.stdout + p.stderr
+    result = json.loads((tmp_path / "result.json").read_text())
+    each = result["by_target"]["node2"]["transferred"]  # the 3 files and the dirs rsync created
+    assert result["relayed"] is False and result["changed"] is True and result["transferred"] == 4 * each >= 12, result
+    assert {n: r["relayed"] for n, r in result["by_target"].items()} == {
+        "node2": True, "node3": True, "node4": True, "node5": True, "node9": False}  # fmt: skip
+    assert result["by_target"]["node5"] == {"relayed": True, "transferred": each, "rsync_rc": 0, "msg": ""}
+    assert "on to node9 (rsync exit 255): ssh: connect to host 10.0.0.9 port 22: Connection refused" in (
+        result["by_target"]["node9"]["msg"])  # fmt: skip
+    for i in (2, 3, 4, 5):
+        got = sorted(f.name for f in (targets / f"10.0.0.{i}" / "stage" / "wheelhouse").iterdir())
+        assert got == ["w0.whl", "w1.whl", "w2.whl"], (i, got)
+    said = " ".join((p.stdout + p.stderr).split())
+    assert said.count("could not pass") == 1 and "on to node9 (rsync exit 255)" in said, said
+    peaks = [int(x) for x in (tmp_path / "peak").read_text().split()]
+    assert len(peaks) == 4 and max(peaks) == 2, peaks  # in parallel, never more than forks
+    again = play(tmp_path, [{**task, "nodeops.cluster.relay_sync": {**task["nodeops.cluster.relay_sync"],  # type: ignore[dict-item]
+                                                                   "targets": nodes[:4]}}])  # fmt: skip
+    assert again.returncode == 0 and re.search(r"localhost\s*: ok=1\s+changed=0", again.stdout), again.stdout
+
+
 def test_relay_sync_that_cannot_reach_its_target_warns_and_says_so(tmp_path: Path) -> None:
     """No sshd answers: the task does not fail, returns relayed: false and warns with the target's
     name and ssh's reason, so the play can send from the controller instead."""
