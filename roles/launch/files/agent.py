@@ -210,19 +210,22 @@ class Progress:
     def __init__(self) -> None:
         self.seen = self.look()
         self.said = 0.0
+        self.pending = False
 
     def look(self) -> tuple[int, float]:
         size = os.path.getsize(path(P.LOG)) if os.path.exists(path(P.LOG)) else 0
         return size, mtime(P.PROGRESS) or 0.0
 
     def moved(self) -> bool:
+        """Whether to say ``progress`` now: something changed since the last look, or a change
+        was held back because the last word was under a second ago (the last lines of a run
+        must not be lost to that limit: the watchdog would count them as silence)."""
         now = self.look()
-        if now == self.seen:
+        if now != self.seen:
+            self.seen, self.pending = now, True
+        if not self.pending or time.monotonic() - self.said < 1.0:
             return False
-        self.seen = now
-        if time.monotonic() - self.said < 1.0:
-            return False
-        self.said = time.monotonic()
+        self.said, self.pending = time.monotonic(), False
         return True
 
 

@@ -187,6 +187,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     last_progress = time.monotonic()
     hang: dict[str, Any] = {}  # the watchdog fired: {"asked", "idle", "dumps", "done"}
     progressed: set[str] = set()  # hosts where a rank printed: until all have, it is start-up
+    rearmed = 0  # the watchdog found no live rank anywhere and watched on (at most 3 times)
     began = time.monotonic()
     # The attempt's timeline (epoch seconds): when it began, when every host's ranks printed (training
     # runs), its last progress, when the first failure (or the hang) was seen, when the stop was
@@ -319,7 +320,16 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         answered = hang and (hang["done"] | gone >= {lk.name for lk in links}
                              or time.monotonic() - hang["asked"] > STACKS_WAIT)  # fmt: skip
         if answered and hang_report is None and outcome == "ok" and stopping_since is None:
-            judge_hang()
+            if not hang["dumps"] and hang["done"] | gone >= {lk.name for lk in links} and rearmed < 3:
+                # no rank alive on any host, and every host answered: the ranks have ended and
+                # their launchers are ending (torchrun's exit barrier), which is no training hang
+                rearmed += 1
+                log("no rank is alive on any host (their launchers are ending): not a hang; watching on")
+                hang.clear()
+                last_progress = time.monotonic()
+                times.pop("failed", None)
+            else:
+                judge_hang()
         if held and (time.monotonic() >= held["until"] or os.path.exists(stop_file)):
             why, spare = held["why"], held["spare"]
             held.clear()

@@ -111,9 +111,14 @@ def say(text: str) -> None:
     sys.stdout.flush()
 
 
-def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: float) -> None:
+def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: float, rearm: bool = True) -> bool:
+    """Every rank's stack, the verdict and the stop; False (nothing stopped) when every node
+    answered with no live rank and ``rearm``: the ranks ended, their launchers are ending."""
     say(f"no progress for {idle:.0f}s (hang timeout {timeout:.0f}s): taking every rank's stack")
     dumps, silent = take_stacks(run_dir, nodes)
+    if rearm and not dumps and not silent:
+        say("no rank is alive on any node (their launchers are ending): not a hang; watching on")
+        return False
     report, why, host = S.judge(dumps, timeout, idle, silent, HANG)
     report["host"] = host
     tmp = os.path.join(run_dir, HANG + ".tmp")
@@ -127,7 +132,7 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
     try:
         os.kill(srun_pid, signal.SIGTERM)
     except OSError:
-        return
+        return True
     deadline = time.monotonic() + GRACE
     while alive(srun_pid) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -135,6 +140,7 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
         say(f"srun {srun_pid} still runs after {GRACE:.0f}s: SIGKILL (the job's end stops its tasks)")
         with contextlib.suppress(OSError):
             os.kill(srun_pid, signal.SIGKILL)
+    return True
 
 
 def started(first: tuple[tuple[str, int], ...], now: tuple[tuple[str, int], ...], nodes: list[str]) -> bool:
@@ -149,6 +155,7 @@ def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
     seen = first = look(run_dir, nodes)
     last = began = time.monotonic()
     up = False  # every node showed its first progress: until then (at most the grace) the limit is the grace
+    rearmed = 0  # fired and found no live rank on any node (at most 3 times): watched on
     while alive(srun_pid):
         time.sleep(TICK)
         now = look(run_dir, nodes)
@@ -157,8 +164,9 @@ def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
             seen, last = now, time.monotonic()
             up = up or started(first, now, nodes)
         elif time.monotonic() - last > (timeout if up else max(timeout, S.HANG_STARTUP_GRACE)):
-            fire(run_dir, srun_pid, nodes, timeout, time.monotonic() - last)
-            return 0
+            if fire(run_dir, srun_pid, nodes, timeout, time.monotonic() - last, rearm=rearmed < 3):
+                return 0
+            rearmed, last = rearmed + 1, time.monotonic()
     return 0
 
 

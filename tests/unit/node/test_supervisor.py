@@ -420,6 +420,22 @@ def test_a_run_silent_from_the_start_is_hung_once_the_start_up_grace_is_over(tmp
     assert wait_clean(dirs) == []
 
 
+def test_a_launcher_still_ending_after_its_ranks_is_not_a_hang(tmp_path: Path) -> None:
+    # the rank printed its last line and ended; its launcher takes 5 s more (torchrun's exit barrier)
+    ended = (
+        f'RANK=0 PYTHONPATH="$PWD/hook" {sys.executable} -c \'print("[rank0]:done", flush=True)\'\nsleep 5\nexit 0\n'
+    )
+    chief, dirs = make_run(tmp_path, {"a": ended})
+    (dirs[0] / "hook").mkdir()
+    (dirs[0] / "hook" / "sitecustomize.py").write_text(S.HOOK)
+    cfg = json.loads((chief / "run.json").read_text())
+    (chief / "run.json").write_text(json.dumps({**cfg, "hang_timeout": 2}))
+    res = result_of(chief, start(dirs), timeout=60)
+    assert res["outcome"] == "ok", res
+    assert "not a hang; watching on" in (chief / "supervisor.log").read_text()
+    assert wait_clean(dirs) == []
+
+
 def test_progress_without_output_keeps_the_watchdog_quiet(tmp_path: Path) -> None:
     quiet = "for i in $(seq 1 16); do touch progress; sleep 0.5; done; exit 0\n"
     chief, dirs = make_run(tmp_path, {"a": quiet, "b": "sleep 8; exit 0\n"})
