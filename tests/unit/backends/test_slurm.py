@@ -9,7 +9,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from nodeops.backends.slurm import backend as slurm_backend
 from nodeops.backends.slurm import job as slurm
 from nodeops.check import preflight as check
 from nodeops.node import failures
+from nodeops.node import slurm_batch as SB
 from nodeops.node import slurm_failures as SF
 from nodeops.sandbox import slurm as sandbox_slurm
 from nodeops.spec import deepspeed as ds
@@ -55,15 +55,16 @@ def test_batch_script_is_valid_bash_and_carries_no_user_argument(name: str) -> N
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     assert text.startswith("#!/bin/bash\n")
     # the training command arrives as the script's own arguments, never rendered into it
-    assert re.search(r'nodeops-task (torchrun|deepspeed) "\$SLURM_JOB_ID" \d+ "\$@" &', text)
+    assert text.endswith('exec python3 -I "$run_dir/batch/slurm_batch.py" batch "$run_dir/batch/config.json" "$@"\n')
     assert "train.py" not in text
 
 
 def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
-    full = slurm.batch_script(load_spec(SPECS / "slurm-full.happy.yaml"))
-    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in full and "trap forward USR1" in full
-    plain = slurm.batch_script(load_spec(SPECS / "slurm-sandbox.happy.yaml"))
-    assert "--signals-to-handle" not in plain and "trap forward" not in plain and "scontrol requeue" not in plain
+    full = slurm.batch_config(load_spec(SPECS / "slurm-full.happy.yaml"))
+    assert full["torchrun_extra"] == ["--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+    assert (full["signal"], full["max_requeues"], full["step_wait"]) == ("USR1", 3, 300)
+    plain = slurm.batch_config(load_spec(SPECS / "slurm-sandbox.happy.yaml"))
+    assert (plain["torchrun_extra"], plain["signal"], plain["max_requeues"], plain["step_wait"]) == ([], None, 0, 60)
 
 
 FAKE_TORCHRUN = """#!/bin/bash
@@ -81,12 +82,12 @@ while :; do sleep 0.1; done
 
 def run_task(tmp_path: Path, spec: str, sig: int | None, *, fake_exit: str = "", cgroup: bool = False,
              ) -> tuple[int, str]:  # fmt: skip
-    """The batch script's per-node task, run by a real bash in a session of its own with a
-    stand-in torchrun. ``sig`` goes to every process of it, as slurmstepd signals a step, or
-    with ``cgroup`` to the task's own process only, as under proctrack/cgroup (the batch script
-    then sets NODEOPS_FORWARD_SIGNALS)."""
-    task = re.search(r"^task='(.*?)'$", slurm.batch_script(load_spec(SPECS / spec)), re.M | re.S)
-    assert task is not None
+    """The batch driver's per-node task (``slurm_batch.py task``), run by python3 in a session of
+    its own with a stand-in torchrun. ``sig`` goes to every process of it, as slurmstepd signals a
+    step, or with ``cgroup`` to the task's own process only, as under proctrack/cgroup (the batch
+    driver then sets NODEOPS_FORWARD_SIGNALS)."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(slurm.batch_config(load_spec(SPECS / spec))))
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text(FAKE_TORCHRUN)
@@ -96,11 +97,14 @@ def run_task(tmp_path: Path, spec: str, sig: int | None, *, fake_exit: str = "",
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NODEOPS_RUN_DIR": str(tmp_path),
            "SLURMD_NODENAME": "node7", "SLURM_JOB_NUM_NODES": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
            "FAKE_EXIT": fake_exit, "NODEOPS_FORWARD_SIGNALS": "1" if cgroup else ""}  # fmt: skip
-    p = subprocess.Popen(["bash", "-c", task.group(1), "nodeops-task", "torchrun", "42", "0", "train.py", "--lr", "1"],
-                         env=env, stdout=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    task = ["python3", "-I", SB.__file__, "task", str(cfg)]
+    p = subprocess.Popen([*task, "torchrun", "42", "0", "train.py", "--lr", "1"], env=env, stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 10
-        while not (tmp_path / "ready").exists() and p.poll() is None and time.monotonic() < deadline:
+        ready = tmp_path / "ready"  # (written after it is made: wait for its line)
+        while not (ready.exists() and ready.read_text().endswith("\n")) and p.poll() is None:
+            assert time.monotonic() < deadline
             time.sleep(0.05)
         assert "--rdzv-id=42 --max-restarts=0" in (tmp_path / "ready").read_text()
         time.sleep(0.2)  # the fake's traps are set
@@ -135,41 +139,12 @@ def test_a_nodes_task_waits_for_torchrun_and_after_the_time_limit_signal_ends_we
     assert run_task(tmp_path, "slurm-sandbox.happy.yaml", None, fake_exit="0") == (0, "")
 
 
-def test_the_batch_shell_passes_signals_on_only_under_proctrack_cgroup(tmp_path: Path) -> None:
+def test_each_run_of_a_requeued_job_is_kept_and_shown() -> None:
     text = slurm.batch_script(load_spec(SPECS / "slurm-full.happy.yaml"))
-    block = re.search(r"^export NODEOPS_FORWARD_SIGNALS=\n.*?^fi\n", text, re.M | re.S)
-    assert block is not None
-    for config, want in [("ProctrackType           = proctrack/cgroup\n", "1"),
-                         ("ProctrackType           = proctrack/linuxproc\n", ""),
-                         ("ProctrackType           = proctrack/pgid\n", ""),
-                         ("ProctrackType = proctrack/cgroup\nSignalChildrenProcesses = yes\n", ""),
-                         ("", "")]:  # fmt: skip
-        (tmp_path / "scontrol").write_text(f"#!/bin/sh\nprintf '%s' '{config}'\n")
-        (tmp_path / "scontrol").chmod(0o755)
-        env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-        p = subprocess.run(["bash", "-c", block.group(0) + 'printf "%s" "$NODEOPS_FORWARD_SIGNALS"'], env=env,
-                           capture_output=True, text=True, check=True)  # fmt: skip
-        assert p.stdout == want, config
-
-
-def test_each_run_of_a_requeued_job_is_kept_and_shown(tmp_path: Path) -> None:
-    text = slurm.batch_script(load_spec(SPECS / "slurm-full.happy.yaml"))
-    fn = re.search(r"^nodeops_result\(\) \{\n.*?^\}\n", text, re.M | re.S)
-    assert fn is not None
-    script = (
-        fn.group(0)
-        + """
-restart=0; nodeops_result null
-nodeops_result '{"exit": %d, "restart": %d, "signal": "%s", "requeued": true, "hang": %s}' 3 0 "" false
-restart=1; nodeops_result null
-nodeops_result '{"exit": %d, "restart": %d, "signal": "%s", "requeued": false, "hang": %s}' 0 1 SIGUSR1 false
-"""
-    )
-    env = {**os.environ, "run_dir": str(tmp_path), "SLURM_JOB_NODELIST": "gpu[01-03]"}
-    subprocess.run(["bash", "-euc", script], env=env, check=True)
-    lines = [json.loads(line) for line in (tmp_path / "attempts.jsonl").read_text().splitlines()]
+    # (the batch driver's records: tests/unit/node/test_slurm_batch.py)
+    results = [None, SB.ended(3, 0, "", requeued=True), None, SB.ended(0, 1, "SIGUSR1")]
+    lines = [json.loads(SB.attempt_line(1 + i // 2, "gpu[01-03]", r)) for i, r in enumerate(results)]
     assert [a["attempt"] for a in lines] == [1, 1, 2, 2] and lines[1]["result"]["exit"] == 3
-    assert lines[0]["result"] is None and json.loads((tmp_path / "result.json").read_text()) == lines[3]["result"]
     st = slurm.Poll(state="COMPLETED", reason="", exit="0:0", nodes="gpu[01-03]", result=lines[3]["result"],
                     attempts=lines)  # fmt: skip
     assert slurm.attempt_lines(st) == ["attempt 1 on gpu[01-03]: exit 3, requeued",
@@ -600,10 +575,11 @@ case "$1 $2" in
 esac
 """,
     # the GPU-counting step prints FAKE_COUNT (no preflight.in, no fabric args: no other step);
-    # the training step (runner deepspeed) runs its task once per node, as srun would
+    # the training step (runner deepspeed: python3 -I slurm_batch.py task ...) runs its task once
+    # per node, as srun would
     "srun": """#!/bin/bash
-while [ $# -gt 0 ] && [ "$1" != bash ]; do shift; done
-if [ "${4:-}" != nodeops-task ]; then printf '%s' "$FAKE_COUNT"; exit 0; fi
+while [ $# -gt 0 ] && [ "${1#-}" != "$1" ]; do shift; done
+if [ "${4:-}" != task ]; then printf '%s' "$FAKE_COUNT"; exit 0; fi
 for n in node1 node2; do SLURMD_NODENAME=$n "$@" >> "$NODEOPS_RUN_DIR/logs/$n.log" 2>&1 || exit $?; done
 """,
     # DeepSpeed's per-node launcher (python -u -m deepspeed.launcher.launch): records its argv

@@ -12,14 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from nodeops.backends.base import LaunchRequest
 from nodeops.backends.slurm import backend as slurm_backend
 from nodeops.backends.slurm import job as slurm
 from nodeops.node import check_rules, probe
 from nodeops.spec.loading import load_spec
 from tests.unit.backends.test_slurm import SPECS, fake_slurm  # noqa: F401 (a fixture)
+from tests.unit.node.test_slurm_batch import batch_job
 
 BARE = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 
@@ -153,10 +152,27 @@ def test_a_preflight_that_broke_by_itself_is_not_blamed_on_a_node(fake_slurm: Pa
     assert slurm.describe(st).startswith("RUNNING: the preflight step itself failed (exit 127; python3 on the batch")
 
 
-@pytest.mark.parametrize("name", ["slurm-full.happy.yaml", "slurm-sandbox.happy.yaml"])
-def test_the_batch_script_runs_the_preflight_only_when_launch_wrote_its_input(name: str) -> None:
-    text = slurm.batch_script(load_spec(SPECS / name))
-    pre, train = text.index(f'if [ -r "$run_dir/{slurm.PREFLIGHT_IN}" ]'), text.index("python -m torch.distributed.run")
-    assert pre < train
-    block = text[pre:train]
-    assert '"preflight": "%s"' in block and "kind=error" in block and 'exit "$pre"' in block
+def test_the_batch_script_runs_the_preflight_when_launch_wrote_its_input_and_a_failure_ends_the_job(
+    tmp_path: Path,
+) -> None:
+    """The whole batch script with stand-ins for scontrol and srun (tests/unit/node/test_slurm_batch.py):
+    no node answers the preflight's srun step (its tasks get no payload), so the gate fails every
+    node and no training step starts; a payload the gate cannot read is the preflight's own error.
+    (Without preflight.in there is no preflight step: the same file's hand-submitted job.)"""
+    script, run, env = batch_job(tmp_path)
+    run.mkdir()
+    payload = preflight_in(run, tmp_path / "work")
+    for text, kind in ((None, "failed"), ("not json", "error")):
+        if text is not None:
+            payload.write_text(text)
+        (run / "srun.calls").unlink(missing_ok=True)
+        p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py"], env=env, capture_output=True, text=True,
+                           timeout=120, check=False)  # fmt: skip
+        assert p.returncode != 0, p.stdout + p.stderr
+        assert f"nodeops: preflight {kind} (exit {p.returncode}): no training rank was started in this run" in p.stdout
+        assert json.loads((run / "result.json").read_text()) == {"exit": p.returncode, "restart": 0, "signal": "",
+                                                                 "requeued": False, "preflight": kind}  # fmt: skip
+        [call] = (run / "srun.calls").read_text().splitlines()  # the preflight's step only
+        assert "--kill-on-bad-exit=0 --input=all python3 -c " in call
+        assert (run / slurm.PREFLIGHT_OUT).exists() is (kind == "failed")
+    assert "nodeops: preflight: node2: probe: no answer from the preflight's srun task" in p.stdout or kind == "error"

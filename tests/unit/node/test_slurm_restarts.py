@@ -254,12 +254,12 @@ FAKE_SRUN = """#!/bin/bash
 # the training step: its argv kept; attempt 1 (rdzv id 42-1) loses node2 (its task never ends),
 # later attempts end well. Each node's task line goes to its log, as srun --output would.
 pre=() nodes=
-while [ $# -gt 0 ] && [ "$1" != bash ]; do
+while [ $# -gt 0 ] && [ "$1" != python3 ]; do
   case $1 in --nodelist=*) nodes=${1#--nodelist=} ;; esac
   pre+=("$1"); shift
 done
-printf '%s | %s\\n' "${pre[*]}" "${*:4}" >> "$NODEOPS_RUN_DIR/srun.calls"  # (bash -c TASK left out)
-rdzv=$6
+printf '%s | %s\\n' "${pre[*]}" "${*:6}" >> "$NODEOPS_RUN_DIR/srun.calls"  # (python3 -I DRIVER task CONFIG left out)
+rdzv=$7
 for n in ${nodes//,/ }; do
   echo "task on $n rdzv $rdzv restart $NODEOPS_RESTART_COUNT attempt $NODEOPS_ATTEMPT" >> "$NODEOPS_RUN_DIR/logs/$n.log"
 done
@@ -309,7 +309,7 @@ def test_the_batch_script_restarts_on_the_spare_inside_its_allocation(tmp_path: 
     assert len(calls) == 2, calls
     assert "--nodes=2 --ntasks=2 --nodelist=node1,node2 " in calls[0] and "--overlap" not in calls[0]
     assert calls[1].startswith("--overlap --nodes=2 --ntasks=2 --nodelist=node1,node3 "), calls[1]
-    assert calls[1].endswith(" | nodeops-task torchrun 42-2 0 train.py --lr 1 2")
+    assert calls[1].endswith(" | torchrun 42-2 0 train.py --lr 1 2")
     assert "task on node3 rdzv 42-2 restart 1 attempt 2" in (run / "logs" / "node3.log").read_text()
     assert "==> nodeops: attempt 2/2 on node1,node3; after attempt 1: lost on node2; node2 excluded" in out
     a = json.loads((run / SF.ATTEMPTS).read_text())

@@ -4,7 +4,9 @@ The batch script (``templates/slurm/job.sbatch.j2``) takes the training script a
 as its own arguments (``sbatch job.sbatch train.py --lr 1e-3``), so ``nodeops render`` writes the
 very file ``launch`` submits, and arguments never pass through a template. One ``srun`` step
 runs torchrun on every node (one task per node, ``--kill-on-bad-exit=1 --wait=60``), with c10d
-rendezvous on the first node's ``NodeAddr`` and a port derived from the job id.
+rendezvous on the first node's ``NodeAddr`` and a port derived from the job id. The template is
+a thin bash part (run dir, workdir, env, activation); what the job then does is the batch
+driver it carries (``nodeops.node.slurm_batch``, with :func:`batch_config`'s settings).
 
 Everything runs on the login node (``slurm.login``, over the spec's ssh with pinned host keys) or
 on this machine when there is none: one ``bash -s`` per action, the script on stdin. The run dir
@@ -29,6 +31,7 @@ from nodeops.errors import NodeopsError
 from nodeops.launch.plan import TEE_ENV
 from nodeops.node import check_rules, failures, mpi_split, probe
 from nodeops.node import recovery as R
+from nodeops.node import slurm_batch as B
 from nodeops.node import slurm_failures as SF
 from nodeops.node import slurm_watch as W
 from nodeops.node import stacks as S
@@ -71,6 +74,9 @@ READ_MAX = 1 << 20  # bytes of one log read per poll
 MPI_SPLIT = "mpi_split.py"  # runner mpirun: in the run dir, each rank's lines into its node's log
 MPI_SHIM = S.SHIM  # runner mpirun: in the run dir, Open MPI's rank variables -> env:// names
 MPI_PROTOCOL = "protocol.py"  # runner mpirun: beside mpi_split.py, which reads its PEER_LOST
+BATCH_DIR = "batch"  # in the run dir: the batch driver (nodeops.node.slurm_batch) and its settings
+BATCH_DRIVER = "slurm_batch.py"
+BATCH_CONFIG = "config.json"
 KILL_WAIT_MAX = 70  # how long `stop` waits after scancel before SIGKILL: KillWait (30 s default) plus margin
 
 
@@ -135,17 +141,44 @@ def _safe_name(name: str) -> str:
     return re.sub(r"[^\w.+-]", "_", name)
 
 
+def batch_config(loaded: LoadedSpec) -> dict[str, Any]:
+    """The batch driver's settings (``nodeops.node.slurm_batch``): the runner, the signal, the
+    restarts and requeues, the run dir's file names and the boot code of the steps it runs."""
+    spec = loaded.spec
+    s = spec.slurm
+    assert s is not None
+    signals = DEFAULT_SIGNALS + (f",SIG{s.signal.name}" if s.signal and s.signal.name not in ("TERM", "INT") else "")
+    runner = spec.launch.runner
+    boot = {"probe": probe.BOOT, "gate": check_rules.GATE_BOOT}
+    if runner == "deepspeed":
+        boot.update(ds_world=ds.WORLD_INFO_BOOT, ds_env=ds.ENV_FILE_BOOT)
+    files = {"preflight_in": PREFLIGHT_IN, "preflight_out": PREFLIGHT_OUT, "watch_config": W.CONFIG, "hang": W.HANG,
+             "python_path": PYTHON_PATH, "fabric_args": FABRIC_ARGS, "fabric_config": FABRIC_CONFIG,
+             "fabric_doc": FABRIC_DOC, "fabric_report": FABRIC_REPORT, "fabric_gate": FABRIC_GATE_DIR,
+             "mpi_split": MPI_SPLIT, "mpi_shim": MPI_SHIM, "mpi_protocol": MPI_PROTOCOL,
+             "recover": SF.PACKAGE_DIR}  # fmt: skip
+    return {
+        "runner": runner, "signal": s.signal.name if s.signal else None, "max_requeues": s.max_requeues,
+        "restarts": spec.launch.restarts if runner == "torchrun" else 0, "max_restarts": spec.launch.max_restarts,
+        "nproc": spec.launch.nproc_per_node or 1,
+        "step_wait": STEP_WAIT if s.signal is None else max(STEP_WAIT, s.signal.seconds),
+        "torchrun_extra": [] if s.signal is None else [f"--signals-to-handle={signals}"],
+        "port_base": PORT_BASE, "port_span": PORT_SPAN, "preflight_timeout": PREFLIGHT_TIMEOUT,
+        "fabric_timeout": FABRIC_TIMEOUT, "files": files, "boot": boot,
+    }  # fmt: skip
+
+
 def batch_script(loaded: LoadedSpec) -> str:
-    """The batch script for the spec (the same bytes for every run: the run is in its env)."""
+    """The batch script for the spec (the same bytes for every run: the run is in its env): the
+    shell that sets the run up, then the batch driver it carries (``nodeops.node.slurm_batch``)."""
     import jinja2
 
     spec = loaded.spec
     s = spec.slurm
     assert s is not None
     login = spec.login_node() or spec.chief
-    signals = DEFAULT_SIGNALS + (f",SIG{s.signal.name}" if s.signal and s.signal.name not in ("TERM", "INT") else "")
-    extra = "" if s.signal is None else f" --signals-to-handle={signals}"
     env = {"PYTHONUNBUFFERED": "1", **TEE_ENV}
+    driver = Path(B.__file__).read_text()
     j = jinja2.Environment(trim_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
                            keep_trailing_newline=True)  # fmt: skip
     j.filters["sh_run_word"] = sh_run_word
@@ -155,18 +188,10 @@ def batch_script(loaded: LoadedSpec) -> str:
         cluster=loaded.cluster_name, spec_file=_safe_name(Path(loaded.file).name),
         sbatch=sbatch_lines(spec, loaded.cluster_name),
         workdir=spec.workdir.path if spec.workdir is not None else "~", env_file=env_file(loaded.cluster_name),
-        activate=activation(spec, login), env=env, signal=s.signal, max_requeues=s.max_requeues,
-        nproc=spec.launch.nproc_per_node or 1, max_restarts=spec.launch.max_restarts, torchrun_extra=extra,
-        step_wait=STEP_WAIT if s.signal is None else max(STEP_WAIT, s.signal.seconds),
-        port_base=PORT_BASE, port_span=PORT_SPAN, restart_mark=RESTART_MARK,
-        preflight_in=PREFLIGHT_IN, preflight_out=PREFLIGHT_OUT, preflight_timeout=PREFLIGHT_TIMEOUT,
-        probe_boot=sh_word(probe.BOOT), gate_boot=sh_word(check_rules.GATE_BOOT),
-        watch_config=W.CONFIG, hang_file=W.HANG, python_path=PYTHON_PATH, run_env=RUN_ENV,
-        fabric_args=FABRIC_ARGS, fabric_config=FABRIC_CONFIG, fabric_doc=FABRIC_DOC, fabric_report=FABRIC_REPORT,
-        fabric_timeout=FABRIC_TIMEOUT, runner=spec.launch.runner, mpi_split=MPI_SPLIT, mpi_shim=MPI_SHIM,
-        mpi_protocol=MPI_PROTOCOL,
-        ds_world_boot=sh_word(ds.WORLD_INFO_BOOT), ds_env_boot=sh_word(ds.ENV_FILE_BOOT),
-        restarts=spec.launch.restarts if spec.launch.runner == "torchrun" else 0, recover_dir=SF.PACKAGE_DIR,
+        activate=activation(spec, login), env=env, max_requeues=s.max_requeues, restart_mark=RESTART_MARK,
+        hang_file=W.HANG, run_env=RUN_ENV, runner=spec.launch.runner, batch_dir=BATCH_DIR,
+        driver_file=BATCH_DRIVER, config_file=BATCH_CONFIG, driver=driver,
+        config=json.dumps(batch_config(loaded), indent=1, sort_keys=True),
     ))  # fmt: skip
 
 
