@@ -24,6 +24,7 @@ GATE_BOOT = (
     "m.gate_main(sys.argv[1:])"
 )
 PARITY = ("python", "torch", "torch_cuda", "nccl", "driver")  # compared across nodes, besides packages
+PREFLIGHT_ERRORS = "preflight-errors"  # in a Slurm run dir: each node's stderr in the preflight step (NODE.err)
 
 # What each runner needs on a node beyond the Python env, and where it comes from. mpirun starts
 # Open MPI's daemons on every node; DeepSpeed's runner (on the chief) fans out with pdsh.
@@ -185,7 +186,11 @@ def gate(expect: dict[str, Any], documents: Callable[[str], list[dict[str, Any]]
     srun = int(expect.get("srun_exit") or 0)
     why = ("" if not srun else "; the step timed out" if srun in (124, 137)
            else f"; srun exited {srun} (its error is in the batch log)")  # fmt: skip
-    rows = [Row(n, "probe", FAIL, f"no answer from the preflight's srun task on this node{why}") for n in missing]
+    rows = []
+    for n in missing:
+        own = _own_error(os.path.join(expect["out"], PREFLIGHT_ERRORS, f"{n}.err"))
+        said = why.replace(" (its error is in the batch log)", "") + f": {own}" if own else why
+        rows.append(Row(n, "probe", FAIL, f"no answer from the preflight's srun task on this node{said}"))
     # parity against what most nodes have (no chief on Slurm: the first node may be the odd one)
     rows += fast_rows(ordered, "", expect["runner"], expect["workdir"])
     failed = [r for r in rows if r.status == FAIL]
@@ -195,6 +200,17 @@ def gate(expect: dict[str, Any], documents: Callable[[str], list[dict[str, Any]]
     for r in failed:
         print(f"nodeops: preflight: {r.host}: {r.check}: {r.detail}", flush=True)
     return 1 if failed else 0
+
+
+def _own_error(path: str) -> str:
+    """A node's own error, from its task's stderr in the preflight step (srun --error, one file
+    per node): its last line, e.g. 'slurmstepd: error: execve(): python3: No such file or directory'."""
+    try:
+        with open(path, errors="replace") as fh:
+            lines = [line.strip() for line in fh.read().splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:300] if lines else ""
 
 
 def gate_main(argv: list[str]) -> None:

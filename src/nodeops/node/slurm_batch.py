@@ -380,10 +380,17 @@ class Batch:
         if os.path.lexists(rows):
             os.remove(rows)
         out = os.path.join(self.run_dir, "preflight.out")
+        # each node's own error (its python3 gone, the probe crashing) in its own file: the gate
+        # shows it for a node that did not answer
+        errs = self.path("preflight_errors")
+        os.makedirs(errs, exist_ok=True)
+        for name in os.listdir(errs):
+            os.remove(os.path.join(errs, name))
         with open(self.path("preflight_in"), "rb") as stdin, open(out, "wb") as stdout:
             srun_rc = status(["timeout", "--kill-after=30", str(self.cfg["preflight_timeout"]), "srun",
                               "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--input=all",
-                              "python3", "-c", self.cfg["boot"]["probe"]], stdin=stdin, stdout=stdout)  # fmt: skip
+                              f"--error={errs}/%N.err", "python3", "-c", self.cfg["boot"]["probe"]],
+                             stdin=stdin, stdout=stdout)  # fmt: skip
         pre = status(["python3", "-c", self.cfg["boot"]["gate"], self.path("preflight_in"), out, self.run_dir,
                       str(srun_rc), *self.nodes])  # fmt: skip
         if pre != 0:

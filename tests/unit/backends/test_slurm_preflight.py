@@ -103,6 +103,15 @@ def test_a_node_whose_task_never_answered_fails_the_gate_and_a_healthy_set_passe
     assert "nodeops: preflight: node2: probe: no answer from the preflight's srun task" in p.stdout
     p = gate(payload, out, tmp_path, ["node1", "node2"], srun=124)  # `timeout` ended the step
     assert "node2: probe: no answer from the preflight's srun task on this node; the step timed out" in p.stdout
+    # the node's own error, from its task's stderr (srun --error=RUN_DIR/preflight-errors/%N.err)
+    errs = tmp_path / check_rules.PREFLIGHT_ERRORS
+    errs.mkdir()
+    (errs / "node2.err").write_text("\nslurmstepd: error: execve(): python3: No such file or directory\n\n")
+    p = gate(payload, out, tmp_path, ["node1", "node2"], srun=2)
+    assert (
+        "nodeops: preflight: node2: probe: no answer from the preflight's srun task on this node; srun exited 2: "
+        "slurmstepd: error: execve(): python3: No such file or directory"
+    ) in p.stdout, p.stdout
 
 
 def test_parity_is_judged_against_most_nodes_of_the_allocation() -> None:
@@ -173,6 +182,8 @@ def test_the_batch_script_runs_the_preflight_when_launch_wrote_its_input_and_a_f
         assert json.loads((run / "result.json").read_text()) == {"exit": p.returncode, "restart": 0, "signal": "",
                                                                  "requeued": False, "preflight": kind}  # fmt: skip
         [call] = (run / "srun.calls").read_text().splitlines()  # the preflight's step only
-        assert "--kill-on-bad-exit=0 --input=all python3 -c " in call
+        assert (
+            f"--kill-on-bad-exit=0 --input=all --error={run / check_rules.PREFLIGHT_ERRORS}/%N.err python3 -c " in call
+        )
         assert (run / slurm.PREFLIGHT_OUT).exists() is (kind == "failed")
     assert "nodeops: preflight: node2: probe: no answer from the preflight's srun task" in p.stdout or kind == "error"

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -203,7 +204,9 @@ def batch_job(tmp_path: Path, slurm_extra: str = "") -> tuple[str, Path, dict[st
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     run = tmp_path / "run"
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "NODEOPS_RUN_DIR": str(run),
+    # this Python's own dir next (a pyenv shim for python3 would put its own bin, and its python, first)
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path),
+           "NODEOPS_RUN_DIR": str(run),
            "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
            "SLURMD_NODENAME": "node1"}  # fmt: skip
     return slurm.batch_script(spec), run, env

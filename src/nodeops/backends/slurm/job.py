@@ -152,7 +152,8 @@ def batch_config(loaded: LoadedSpec) -> dict[str, Any]:
     boot = {"probe": probe.BOOT, "gate": check_rules.GATE_BOOT}
     if runner == "deepspeed":
         boot.update(ds_world=ds.WORLD_INFO_BOOT, ds_env=ds.ENV_FILE_BOOT)
-    files = {"preflight_in": PREFLIGHT_IN, "preflight_out": PREFLIGHT_OUT, "watch_config": W.CONFIG, "hang": W.HANG,
+    files = {"preflight_in": PREFLIGHT_IN, "preflight_out": PREFLIGHT_OUT,
+             "preflight_errors": check_rules.PREFLIGHT_ERRORS, "watch_config": W.CONFIG, "hang": W.HANG,
              "python_path": PYTHON_PATH, "fabric_args": FABRIC_ARGS, "fabric_config": FABRIC_CONFIG,
              "fabric_doc": FABRIC_DOC, "fabric_report": FABRIC_REPORT, "fabric_gate": FABRIC_GATE_DIR,
              "mpi_split": MPI_SPLIT, "mpi_shim": MPI_SHIM, "mpi_protocol": MPI_PROTOCOL,
