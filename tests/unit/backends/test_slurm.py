@@ -94,7 +94,9 @@ def run_task(tmp_path: Path, spec: str, sig: int | None, *, fake_exit: str = "",
     (bin_dir / "python").chmod(0o755)
     for f in ("ready", "ended", "signalled/node7"):
         (tmp_path / f).unlink(missing_ok=True)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "NODEOPS_RUN_DIR": str(tmp_path),
+    # (this Python's own dir before the rest: a pyenv shim for python3 would put its own python first)
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "NODEOPS_RUN_DIR": str(tmp_path),
            "SLURMD_NODENAME": "node7", "SLURM_JOB_NUM_NODES": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
            "FAKE_EXIT": fake_exit, "NODEOPS_FORWARD_SIGNALS": "1" if cgroup else ""}  # fmt: skip
     task = ["python3", "-I", SB.__file__, "task", str(cfg)]
@@ -622,9 +624,9 @@ def run_mpirun_job(tmp_path: Path, *, count: str = "node1 2\nnode2 1\n", mpi_exi
         for name, text in slurm_backend.run_files(spec).items():
             (run / name).parent.mkdir(parents=True, exist_ok=True)
             (run / name).write_text(text)
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "NODEOPS_RUN_DIR": str(run),
-           "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
-           "SLURMD_NODENAME": "node1", "SLURM_GPUS": "3", "FAKE_COUNT": count,
+    env = {"PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", "HOME": str(tmp_path),
+           "NODEOPS_RUN_DIR": str(run), "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]",
+           "SLURM_JOB_NUM_NODES": "2", "SLURMD_NODENAME": "node1", "SLURM_GPUS": "3", "FAKE_COUNT": count,
            "FAKE_MPI_EXIT": str(mpi_exit)}  # fmt: skip
     p = subprocess.run(["bash", "-c", slurm.batch_script(spec), "job.sbatch", "train.py", "--lr", "1 2"], env=env,
                        capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
