@@ -132,12 +132,14 @@ def test_noop_setup_runs_no_play_and_full_runs_it(project: Path, first_run: obje
 
 
 def fast_lines(stderr: str) -> dict[str, dict[str, str]]:
-    """What the fast path said it runs: host -> role -> why."""
+    """What the fast path said it runs: host -> role -> why (each reason once, after the roles
+    it applies to: `nccl_env, deepspeed_env: its input changed; shared_path: ...`)."""
     out: dict[str, dict[str, str]] = {}
     for host, rest in re.findall(r"^    (node\d): (.+)$", stderr, re.M):
         for part in rest.split("; "):
-            role, _, why = part.partition(": ")
-            out.setdefault(host, {})[role] = why
+            roles, _, why = part.partition(": ")
+            for role in roles.split(", "):
+                out.setdefault(host, {})[role] = why
     return out
 
 
