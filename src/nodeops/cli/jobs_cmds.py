@@ -20,9 +20,10 @@ from nodeops.setup.runner import runs_dir
 RunArg = Annotated[
     str | None,
     typer.Argument(
-        metavar="[RUN]",
-        help="A run id printed by `nodeops launch`, or a spec file: its latest run. Default: the latest run "
-        "launched here (named on stderr); `stop` without one acts only when one run is live.",
+        metavar="RUN",
+        help="A run id printed by `nodeops launch`, or a spec file: its latest run (`stop`: its live one). "
+        "Default: the latest run launched here (named on stderr); `stop` without one acts only when one run "
+        "is live.",
         show_default=False,
     ),
 ]
@@ -211,7 +212,7 @@ def runs(
     with errors():
         odd = [s for s in state or [] if s not in R.STATES]
         if odd:
-            fail(f"--state {odd[0]!r}: use one of {', '.join(R.STATES)}", EXIT_SPEC)
+            fail(f"error: --state {odd[0]!r}: use one of {', '.join(R.STATES)}", EXIT_SPEC)
         found = R.local_runs()
         if spec is not None:
             found = control.runs_of_spec(found, spec)
