@@ -193,7 +193,9 @@ def incident(a: dict[str, Any], nxt: dict[str, Any] | None) -> str:
     at = fault_time(a)
     if at is None:
         return ""
-    marks = [("detected", t.get("failed")), ("stopped", t.get("ended") if t.get("stop_sent") else None),
+    # a reported failure is detected when it happens: its "detected +0.0 s" says nothing
+    detected = t.get("failed") if a.get("kind") in ("hang", "lost") else None
+    marks = [("detected", detected), ("stopped", t.get("ended") if t.get("stop_sent") else None),
              ("preflight", a.get("preflight_done")), ("started", (nxt or {}).get("started")),
              ("training again", ((nxt or {}).get("times") or {}).get("ranks_up"))]  # fmt: skip
     head = f"attempt {a.get('attempt')}" + (f" -> {nxt.get('attempt')}" if nxt else "")
