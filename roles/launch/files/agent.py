@@ -264,6 +264,25 @@ def raised(pid: str | None) -> str | None:
         return None
 
 
+def finished_ranks() -> tuple[int, int]:
+    """This attempt's ranks here that finished their script (the hook's finished/ marks) and
+    that started (the hook's stacks/ files), by this host's name and newer than the job."""
+    try:
+        since = os.path.getmtime(path(P.PGID)) - 1
+    except OSError:
+        return 0, 0
+    host = os.uname()[1]
+
+    def count(d: str) -> int:
+        try:
+            names = [n for n in os.listdir(path(d)) if n.startswith(host + "-") and n.endswith(".txt")]
+        except OSError:
+            return 0
+        return sum(1 for n in names if os.path.getmtime(path(os.path.join(d, n))) >= since)
+
+    return count(S.FINISHED_DIR), count(S.STACKS_DIR)
+
+
 def agent_alive() -> bool:
     pid = read(P.AGENT_PID)
     if not pid or not pid.isdigit():
@@ -321,6 +340,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             *cmds, buf = buf.split(b"\n")
             if b"stacks" in (c.strip() for c in cmds):
                 threading.Thread(target=report_stacks, daemon=True).start()
+            if b"flight" in (c.strip() for c in cmds):  # NCCL ranks' flight-recorder dumps, now
+                say("flight " + ",".join(str(r) for r in S.ask_flight(HERE)))
             if b"stop" in (c.strip() for c in cmds) and not stopped:
                 stopped = True
                 say(f"stopped {kill_run('stop requested by the supervisor')}")
@@ -343,6 +364,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
         if code is not None:
             killed = read(P.KILLED)
             left = kill_run("the job ended: its strays") if tagged_pids() else 0  # nothing outlives the job
+            done, started = finished_ranks()
+            say(f"finished {done} {started}")  # how many of its ranks ended their script first
             say("exit " + ("killed " + (killed or "") if killed is not None else code)
                 + (f" ({left} left)" if left else ""))  # fmt: skip
             return 0

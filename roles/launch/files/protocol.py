@@ -25,6 +25,7 @@ RANK_OUTPUT = re.compile(r"\[rank\d+\]:|\[\d+,\d+\]<std(?:out|err)>:")
 HEARTBEAT = "heartbeat"  # touched by the guard at every heartbeat from the supervisor
 PROGRESS = "progress"  # the script may touch it ($NODEOPS_PROGRESS_FILE): progress for the hang watchdog
 HANG = "hang.json"  # the hang watchdog's report and every rank's stack (chief only)
+STALLS = "stalls.json"  # every stall the stall watch reported or judged a quiet phase (chief only)
 RUN_CONFIG = "run.json"  # the supervisor's input (chief only)
 RESULT = "result.json"  # the supervisor's verdict (chief only); its presence means the run is over
 STOP_REQUEST = "stop_request"  # the controller asks the supervisor to stop the run (chief only)
@@ -41,6 +42,7 @@ ATTEMPTS_DIR = "attempts"  # attempts/K/: what attempt K left on a host (host.lo
 
 # Markers on stdout of the scripts the controller runs over ssh.
 STARTED = "@@nodeops-started"
+NOTE_MARK = "@@nodeops-note "  # a line the supervisor adds to the chief's host.log: a notice, not the job's
 EXIT_MARK = "@@nodeops-exit "  # follow.sh: "@@nodeops-exit CODE" / "killed" / "never-started"
 STOPPED = "@@nodeops-stopped"  # kill: nothing of the run is left on this host
 LEFT = "@@nodeops-left "  # kill: "@@nodeops-left N" processes survived SIGKILL

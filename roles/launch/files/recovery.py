@@ -57,11 +57,22 @@ def kind_of_worker(code: str, peer: bool, raised: bool) -> str:
     return "script" if kind == "signal" and raised else kind
 
 
+def finished_then_crashed(kind: str, finished: list[tuple[int, int] | None]) -> bool:
+    """Whether a failure (its ``kind``) came after every rank had finished its work: each job
+    host's (ranks that ended their script, ranks started) says every started rank finished, and
+    the failure is a rank's death, not a lost host or a hang."""
+    counted = [f for f in finished if f is not None]
+    return (kind in ("signal", "script", "peer") and bool(counted) and len(counted) == len(finished)
+            and all(started > 0 and done >= started for done, started in counted))  # fmt: skip
+
+
 def should_restart(kind: str, restart_on: str, done: int, restarts: int) -> tuple[bool, str]:
     """Whether attempt ``done`` (1-based) that failed with ``kind`` is followed by another, and
     if not, why not (said in the verdict)."""
     if restarts <= 0:
         return False, ""
+    if kind == "teardown":
+        return False, "every rank had finished its work before one crashed in its teardown: not running it again"
     if done > restarts:
         return False, f"no restart left ({restarts} used)"
     if restart_on != "any" and kind not in INFRA:

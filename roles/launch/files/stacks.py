@@ -38,7 +38,9 @@ SIGNAL_OFFSET = 7  # SIGRTMIN + 7: the hook's signal (also in HOOK below)
 STACKS_DIR = "stacks"  # in the run dir: <host>-<pid>.txt, what faulthandler wrote for each rank
 HOOK_DIR = "hook"  # in the run dir: sitecustomize.py, first on the ranks' PYTHONPATH
 FLIGHT_DIR = "flight"  # in the run dir: PyTorch's flight-recorder dumps (rank_N), when asked for
+FLIGHT_PIPE = "pipe_"  # in FLIGHT_DIR: each NCCL rank's debug-info FIFO, pipe_<rank>.pipe
 RAISED_DIR = "raised"  # in the run dir: HOST-PID.txt, a rank's uncaught exception (the hook's excepthook)
+FINISHED_DIR = "finished"  # in the run dir: HOST-PID.txt, a rank whose script ended without an uncaught exception
 MARK = "@@nodeops-stack "  # agent.py stacks: one JSON document per rank, on this prefix
 NONE_MARK = "@@nodeops-stack-none "  # agent.py stacks: no rank of the run runs here (why)
 METHODS = ("auto", "py-spy", "signal")
@@ -66,6 +68,7 @@ def _nodeops_stack_hook():
     if _os.environ.get("NODEOPS_RUN_ID") != _os.path.basename(run_dir) or "RANK" not in _os.environ:
         return None
     _nodeops_raised_hook(run_dir)
+    _nodeops_finished_hook(run_dir)
     if _os.environ.get("NODEOPS_FLIGHT_RECORDER") == "1":
         _nodeops_flight_recorder(run_dir)
     d = _os.path.join(run_dir, "stacks")
@@ -86,6 +89,7 @@ def _nodeops_raised_hook(run_dir):
     prev = sys.excepthook
 
     def hook(tp, value, tb):
+        _nodeops_uncaught.append(tp)
         try:
             if not issubclass(tp, KeyboardInterrupt):
                 d = _os.path.join(run_dir, "raised")
@@ -97,6 +101,29 @@ def _nodeops_raised_hook(run_dir):
         prev(tp, value, tb)
 
     sys.excepthook = hook
+
+
+_nodeops_uncaught = []
+
+
+def _nodeops_finished_hook(run_dir):
+    # The script's end (its last line ran, or sys.exit): finished/HOST-PID.txt, written by atexit,
+    # which runs before the interpreter's and the C++ libraries' teardown. A rank that then dies
+    # of a signal (gloo's "terminate called without an active exception") finished its work: the
+    # supervisor tells that apart and never runs a finished job again.
+    import atexit
+
+    def done():
+        if _nodeops_uncaught:
+            return
+        try:
+            d = _os.path.join(run_dir, "finished")
+            _os.makedirs(d, exist_ok=True)
+            open(_os.path.join(d, "%s-%d.txt" % (_os.uname()[1], _os.getpid())), "w").close()
+        except Exception:
+            pass
+
+    atexit.register(done)
 
 
 def _nodeops_fr_names():
@@ -135,6 +162,9 @@ def _nodeops_flight_recorder(run_dir):
         for k in dumps:
             env[k] = dump
     env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    # the debug-info pipe: each rank makes the FIFO flight/pipe_<rank>.pipe; a "1" written to it
+    # dumps the rank's buffer at once (the stall watch and the hang watchdog ask; no timeout needed)
+    env.setdefault("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", _os.path.join(d, "pipe_"))
 
 
 def _nodeops_chain():
@@ -357,6 +387,31 @@ def here(run_dir: str, run_id: str, native: bool = False, method: str = "auto") 
         return []
     with ThreadPoolExecutor(max_workers=min(32, len(found))) as pool:
         return list(pool.map(lambda rp: take(run_dir, rp[0], rp[1], native=native, method=method), found))
+
+
+# --------------------------------------------------------------------------- flight recorder
+def ask_flight(run_dir: str) -> list[int]:
+    """Ask every rank here that made PyTorch's debug-info FIFO (``flight/pipe_<rank>.pipe``) for
+    its flight-recorder dump now: a ``1`` written to it, never blocking (a FIFO with no rank
+    reading it any more is left alone). The ranks asked; their dumps follow within a second."""
+    d = os.path.join(run_dir, FLIGHT_DIR)
+    asked: list[int] = []
+    for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+        m = re.fullmatch(re.escape(FLIGHT_PIPE) + r"(\d+)\.pipe", name)
+        if m is None:
+            continue
+        try:
+            fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no reader (the rank is gone); not a FIFO we may open
+            continue
+        try:
+            os.write(fd, b"1\n")
+            asked.append(int(m.group(1)))
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return asked
 
 
 # --------------------------------------------------------------------------- grouping

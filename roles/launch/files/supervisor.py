@@ -44,12 +44,15 @@ if __package__:
     from . import protocol as P
     from . import recovery as R
     from . import stacks as S
-else:  # shipped: protocol.py, recovery.py and stacks.py lie beside this file
+    from . import stall as ST
+else:  # shipped: protocol.py, recovery.py, stacks.py and stall.py lie beside this file
     import protocol as P  # type: ignore[import-not-found,no-redef]
     import recovery as R  # type: ignore[import-not-found,no-redef]
     import stacks as S  # type: ignore[import-not-found,no-redef]
+    import stall as ST  # type: ignore[import-not-found,no-redef]
 
 STACKS_WAIT = 40.0  # how long the hang watchdog waits for every guard's stacks
+FLIGHT_WAIT = 2.0  # NCCL ranks asked for their flight-recorder dump write it within a second: stop after this
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The mesh path (as mpirun and pdsh use it): strict host keys, no prompts, no user ControlMaster.
@@ -89,6 +92,7 @@ class Link:
         self.name: str = host["name"]
         self.address: str = host.get("address", "")
         self.has_job = bool(host.get("job", True))
+        self.here = bool(host.get("local")) and os.path.abspath(host.get("dir") or HERE) == HERE  # the chief's own
         flags = (["--job"] if self.has_job else []) + flags
         argv = agent_argv(host, run_id, ["guard", *flags])
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -100,6 +104,7 @@ class Link:
         self.lost = ""
         self.sent_stop = False  # this supervisor told it to stop
         self.stderr: list[str] = []
+        self.finished: tuple[int, int] | None = None  # (ranks that finished their script, ranks started)
 
     def send(self, line: str) -> None:
         with self.lock:
@@ -185,7 +190,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     first_rank = 0
     first_at = 0.0
     last_progress = time.monotonic()
-    hang: dict[str, Any] = {}  # the watchdog fired: {"asked", "idle", "dumps", "done"}
+    # every guard asked for its ranks' stacks: {"for": "stall" | "hang", "asked", "idle", "dumps", "done"}
+    hang: dict[str, Any] = {}
     progressed: set[str] = set()  # hosts where a rank printed: until all have, it is start-up
     rearmed = 0  # the watchdog found no live rank anywhere and watched on (at most 3 times)
     began = time.monotonic()
@@ -194,6 +200,16 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     # sent, and when every host confirmed it.
     times: dict[str, float] = {"began": time.time()}
     hang_report: dict[str, Any] | None = None
+    flight: dict[str, list[int]] = {}  # host -> the NCCL ranks asked for their flight-recorder dump
+    # The stall watch (stall.py): the run's pace, every stall reported (stalls.json), the silence
+    # being looked at ({"since", "hosts", "next", "reported", "quiet", "index"}) and the size and
+    # progress-file time of the chief's host.log right after the supervisor's own notice (that
+    # growth is not the job's progress).
+    rhythm = ST.Rhythm()
+    stalls: list[dict[str, Any]] = read_json(P.STALLS) or []  # an earlier attempt's too
+    silence: dict[str, Any] = {}
+    own_mark: list[tuple[int, float]] = []
+    watch_stalls = cfg.get("stall_watch", True) is not False
     held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
 
     reports: list[tuple[str, str]] = []  # (host, kind) of every failure report, in order
@@ -226,27 +242,40 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 held.clear()
                 stop_all(f"{lk.name}: {why}", spare=spare)
 
-    def handle(lk: Link, line: str) -> None:
+    def progress(lk: Link) -> None:
         nonlocal last_progress
+        now = time.monotonic()
+        last_progress = now
+        times["last_progress"] = time.time()
+        if silence and (silence["overall"] or lk.name in silence["hosts"]):
+            silence_over(now)
+        rhythm.beat(lk.name, now)
+
+    def handle(lk: Link, line: str) -> None:
         words = line.split()
         if not words:
             return
         if line == "watching":
             lk.watching = True
         elif line == "progress":
-            last_progress = time.monotonic()
-            times["last_progress"] = time.time()
+            if lk.here and own_mark and own_mark[-1] == job_marks():
+                return  # the chief's log grew by the supervisor's own notice
+            progress(lk)
         elif line == "ranks-up":
-            last_progress = time.monotonic()
-            times["last_progress"] = time.time()
+            progress(lk)
             progressed.add(lk.name)
             if "ranks_up" not in times and all(h.name in progressed for h in links if h.has_job):
                 times["ranks_up"] = time.time()
+                rhythm.start(time.monotonic())
         elif words[0] == "stack" and hang:
             with contextlib.suppress(ValueError):
                 hang["dumps"].append(dict(json.loads(line[len("stack ") :]), host=lk.name))
         elif line == "stacks-done" and hang:
             hang["done"].add(lk.name)
+        elif words[0] == "flight":  # flight ASKED_RANKS: the NCCL ranks asked for their flight-recorder dump
+            asked = [int(r) for r in (words[1] if len(words) > 1 else "").split(",") if r.isdigit()]
+            if asked:
+                flight[lk.name] = asked
         elif words[0] == "exit":
             lk.ended = words[1]
             if first is not None and first["host"] == lk.name and first["code"] is None and lk.ended.isdigit():
@@ -276,6 +305,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         elif words[0] == "pdsh-failed" and len(words) == 3:
             fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)", P.CAUSE_EXIT,
                  kind=R.kind_of_exit(words[2]))  # fmt: skip
+        elif words[0] == "finished" and len(words) == 3 and words[1].isdigit() and words[2].isdigit():
+            lk.finished = (int(words[1]), int(words[2]))
         elif words[0] == "stopped" and len(words) == 2:
             lk.left = int(words[1])
         elif words[0] == "lost-stopped":
@@ -290,6 +321,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         nonlocal first, outcome, hang_report
         silent = [lk.name for lk in links if lk.name not in hang["done"]]
         hang_report, why, host = S.judge(hang["dumps"], hang_timeout, hang["idle"], silent, P.HANG)
+        if flight:
+            hang_report["flight"] = dict(flight)
         with open(os.path.join(HERE, P.HANG + ".tmp"), "w") as f:
             json.dump({**hang_report, "dumps": hang["dumps"]}, f, indent=1)
         os.replace(os.path.join(HERE, P.HANG + ".tmp"), os.path.join(HERE, P.HANG))
@@ -297,6 +330,79 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         first, outcome = {"host": host, "code": None, "why": why, "kind": "hang"}, "hung"
         log(f"hang: {why}")
         stop_all(why)
+
+    def job_marks() -> tuple[int, float]:
+        """The chief's host.log size and progress-file time (what its guard's progress reads)."""
+        size = os.path.getsize(os.path.join(HERE, P.LOG)) if os.path.exists(os.path.join(HERE, P.LOG)) else 0
+        prog = os.path.join(HERE, P.PROGRESS)
+        return size, os.stat(prog).st_mtime if os.path.exists(prog) else 0.0
+
+    def notice(text: str) -> None:
+        """A notice in the chief's host.log (the attached launch and ``logs`` show it; the
+        supervisor's log keeps it too). Appended whole, between the job's own writes (its log is
+        opened O_APPEND), on a line of its own."""
+        log(text)
+        path = os.path.join(HERE, P.LOG)
+        if not any(lk.here and lk.has_job for lk in links) or not os.path.exists(path):
+            return
+        with contextlib.suppress(OSError), open(path, "ab") as f:
+            f.seek(0, os.SEEK_END)
+            cut = f.tell() > 0 and not ends_with_newline(path)
+            f.write((("\n" if cut else "") + ST.note(text)).encode())
+        own_mark.append(job_marks())
+
+    def save_stalls() -> None:
+        write_json(P.STALLS, stalls)
+
+    def silence_over(now: float) -> None:
+        """Progress again after a silence that was looked at: a reported stall ends; a quiet
+        phase that ended by itself is learned (later ones of its length are not suspected)."""
+        took = now - silence["since"]
+        if silence.get("reported"):
+            st = stalls[silence["index"]]
+            st.update(ended=round(time.time(), 3), lasted=round(took, 1))
+            save_stalls()
+            notice(f"stall over: progress again after {took:.0f}s")
+        elif silence.get("quiet"):
+            rhythm.quiet = max(rhythm.quiet, took)
+            log(f"the quiet phase ended after {took:.0f}s: silences up to {ST.STRETCH * rhythm.quiet:.0f}s are "
+                "not suspected from now on")  # fmt: skip
+        rhythm.resume(now)
+        silence.clear()
+
+    def judge_stall() -> None:
+        """Every guard answered a stall's stacks request: report a stall (once), or say that it
+        looks like a quiet phase and look again later."""
+        if not silence:  # progress came while the stacks were taken: no stall
+            hang.clear()
+            return
+        now = time.monotonic()
+        idle = now - silence["since"]
+        dumps = hang["dumps"]
+        if not silence["overall"]:
+            dumps = [d for d in dumps if d.get("host") in silence["hosts"]] or dumps
+        v = ST.verdict(dumps, idle)
+        if not silence["overall"] and v["kind"] != "none":
+            v = dict(v, kind="stall", line=f"{', '.join(silence['hosts'])}: no progress for {idle:.0f}s while the "
+                                            f"other hosts go on; {'; '.join(v['groups'])}")  # fmt: skip
+        silence["next"] = silence["since"] + ST.RECHECK * idle
+        if v["kind"] == "none":
+            log("stall watch: no rank is alive on any host (the run is ending); watching on")
+        elif v["kind"] == "quiet" and not silence.get("quiet"):
+            silence["quiet"] = True
+            log(f"stall watch: {v['line']}; looking again at {ST.RECHECK * idle:.0f}s")
+        elif v["kind"] == "stall" and not silence.get("reported"):
+            silence.update(reported=True, index=len(stalls))
+            for lk in links:  # NCCL ranks dump their flight recorder (flight/ in each host's run dir)
+                lk.send("flight")
+            stalls.append({"at": round(time.time(), 3), "since": round(time.time() - idle, 3), "idle": round(idle, 1),
+                           "line": v["line"], "host": v["host"], "culprits": v["culprits"], "groups": v["groups"],
+                           "method": v["method"], "ranks": v["ranks"], "ended": None,
+                           "dumps": hang["dumps"]})  # fmt: skip
+            save_stalls()
+            notice(f"stall: {v['line']} (stacks by {v['method']}; the run goes on: `nodeops stacks` for more, "
+                   f"`nodeops stop` to end it)")  # fmt: skip
+        hang.clear()
 
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
     while len(gone) < len(links):
@@ -308,9 +414,29 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         started = (all(lk.name in progressed for lk in links if lk.has_job)
                    or time.monotonic() - began > S.HANG_STARTUP_GRACE)  # fmt: skip
         limit = hang_timeout if started else max(hang_timeout, S.HANG_STARTUP_GRACE)
-        if (hang_timeout and not hang and first is None and outcome == "ok" and stopping_since is None
-                and sweep_since is None and quiet > limit):  # fmt: skip
-            hang.update(asked=time.monotonic(), idle=quiet, dumps=[], done=set())
+        calm = first is None and outcome == "ok" and stopping_since is None and sweep_since is None
+        if hang_timeout and hang.get("for") == "stall" and calm and quiet > limit:
+            hang["for"] = "hang"  # the stacks being taken answer the hard timeout too
+            hang["idle"] = quiet
+            for lk in links:  # NCCL ranks dump their flight recorder now, before anything stops
+                lk.send("flight")
+            times.setdefault("failed", time.time())
+            log(f"no progress for {quiet:.0f}s (hang timeout {hang_timeout:.0f}s): the stall's stacks decide")
+        elif watch_stalls and not hang and calm and (not silence or time.monotonic() >= silence["next"]):
+            suspected = rhythm.suspect(time.monotonic(), [lk.name for lk in links if lk.has_job and lk.ended is None])
+            if suspected is not None:
+                idle, late, overall = suspected
+                if not silence:
+                    silence.update(since=time.monotonic() - idle, hosts=late, overall=overall, next=0.0)
+                hang.update({"for": "stall"}, asked=time.monotonic(), idle=idle, dumps=[], done=set())
+                log(f"stall watch: no progress from {', '.join(late)} for {idle:.0f}s (suspected after "
+                    f"{rhythm.limit(None if overall else late[0]):.0f}s): taking every rank's stack")  # fmt: skip
+                for lk in links:
+                    lk.send("stacks")
+        if hang_timeout and not hang and calm and quiet > limit:
+            hang.update({"for": "hang"}, asked=time.monotonic(), idle=quiet, dumps=[], done=set())
+            for lk in links:  # NCCL ranks dump their flight recorder now, before anything stops
+                lk.send("flight")
             times.setdefault("failed", time.time())
             late = [lk.name for lk in links if lk.has_job and lk.name not in progressed]
             waiting = f", in start-up: no progress yet from {', '.join(late)}" if late else ""
@@ -319,7 +445,13 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 lk.send("stacks")
         answered = hang and (hang["done"] | gone >= {lk.name for lk in links}
                              or time.monotonic() - hang["asked"] > STACKS_WAIT)  # fmt: skip
-        if answered and hang_report is None and outcome == "ok" and stopping_since is None:
+        if answered and hang.get("for") == "stall":
+            if calm:
+                judge_stall()
+            else:
+                hang.clear()
+        elif (answered and hang_report is None and outcome == "ok" and stopping_since is None
+              and (not flight or time.monotonic() - hang["asked"] >= FLIGHT_WAIT)):  # fmt: skip
             if not hang["dumps"] and hang["done"] | gone >= {lk.name for lk in links} and rearmed < 3:
                 # no rank alive on any host, and every host answered: the ranks have ended and
                 # their launchers are ending (torchrun's exit barrier), which is no training hang
@@ -369,6 +501,11 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             lk.proc.kill()
     took = None if stopping_since is None else round(time.monotonic() - stopping_since, 3)
     times["ended"] = time.time()
+    if outcome == "failed" and first is not None and R.finished_then_crashed(
+            first.get("kind") or "", [lk.finished if lk.has_job else None for lk in links]):  # fmt: skip
+        first = dict(first, kind="teardown", why=f"{first['why']}, after every rank had finished its work "
+                     "(it crashed in its teardown)")  # fmt: skip
+        log(f"finished, then crashed in teardown: {first['host']}")
     return {
         "run_id": run_id,
         "outcome": outcome,
@@ -376,12 +513,27 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         "hosts": {lk.name: host_result(lk) for lk in links},
         "teardown_seconds": took,
         **({"hang": hang_report} if hang_report is not None else {}),
+        **({"stalls": [{k: v for k, v in st.items() if k != "dumps"} for st in stalls]} if stalls else {}),
         "reports": [list(r) for r in reports],
         "times": {k: round(v, 3) for k, v in times.items()},
     }
 
 
 # --------------------------------------------------------------------------- restarts
+def ends_with_newline(path: str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def read_json(name: str) -> Any:
+    try:
+        with open(os.path.join(HERE, name)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def write_json(name: str, data: Any) -> None:
     tmp = os.path.join(HERE, name + ".tmp")
     with open(tmp, "w") as f:

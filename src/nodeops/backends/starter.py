@@ -135,7 +135,7 @@ def files_from_vars(run: dict[str, Any]) -> dict[str, list[RunFile]]:
             name = P.SPARE_JOB if hv["node_rank"] < 0 else P.JOB
             files.append(RunFile(name, tpl("job.sh.j2", **hv["job"]), "0700"))
         if host == run["chief"]:  # the run's one authority, for every runner and any number of hosts
-            files.append(RunFile("supervisor.py", (fdir / "supervisor.py").read_text(), "0600"))
+            files += [RunFile(f, (fdir / f).read_text(), "0600") for f in ("supervisor.py", "stall.py")]
             files.append(RunFile(P.RUN_CONFIG, json.dumps(run["run_config"], indent=2), "0600"))
         files.append(RunFile("start.sh", tpl("start.sh.j2", host=host), "0700"))
         out[host] = files

@@ -19,6 +19,7 @@ from nodeops import __version__
 from nodeops.cli.reports import print_fabric
 from nodeops.errors import EXIT_INTERRUPTED, EXIT_SPEC, ExitWith, NodeopsError, SpecError
 from nodeops.node.failures import one_prefix
+from nodeops.node.protocol import NOTE_MARK
 
 
 def _plain_metavar(self: typer.core.TyperOption | typer.core.TyperArgument, ctx: object) -> str | None:
@@ -177,7 +178,11 @@ _RANK_PREFIX = re.compile(r"\[rank\d+\]:")
 
 
 def emit_line(host: str, line: str) -> None:
-    """One log line as `host [rankN]:...` (torchrun's rank lines) or `host | ...` (anything else)."""
+    """One log line as `host [rankN]:...` (torchrun's rank lines) or `host | ...` (anything else);
+    the supervisor's notices (a stall) as `==> ...` on stderr."""
+    if line.startswith(NOTE_MARK):
+        err(f"==> {line.removeprefix(NOTE_MARK)}")
+        return
     line = one_prefix(line)
     sys.stdout.write(f"{host} {line}\n" if _RANK_PREFIX.match(line) else f"{host} | {line}\n")
     sys.stdout.flush()

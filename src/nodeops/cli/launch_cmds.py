@@ -128,11 +128,12 @@ def launch(
         typer.Option(
             "--hang-timeout",
             metavar="DURATION",
-            help="The hang watchdog: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for this "
-            "long (90, 90s, 10m, 1h), take every rank's stack, name the stuck ranks and stop the run (exit 124). "
-            "It counts from every node's first progress (start-up gets at least 5 min); at least 5s. "
-            "Overrides launch.hang_timeout; 0 turns it off. Pick well above your slowest quiet phase "
-            "(checkpointing, the first step's compile): 10m is a sound start.",
+            help="The hard hang timeout: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for "
+            "this long (90, 90s, 10m, 1h), take every rank's stack, name the stuck ranks and stop the run (exit "
+            "124). It counts from every node's first progress (start-up gets at least 5 min); at least 5s. "
+            "Overrides launch.hang_timeout; 0 turns it off. Default: half the collective timeout (5m with NCCL, "
+            "15m with gloo; --dry-run prints every timeout in order). Stalls are reported live within seconds "
+            "whatever it is: the stall watch learns the run's pace and stops nothing.",
         ),
     ] = None,
     attach: Annotated[

@@ -10,6 +10,7 @@ from nodeops.backends.base import Backend, LaunchRequest, Sink
 from nodeops.errors import UsageError
 from nodeops.lifecycle import gates, load_cluster
 from nodeops.lifecycle.fabric import fabric_gate
+from nodeops.spec import timeouts
 from nodeops.spec.model import ResourceSpec
 
 
@@ -39,11 +40,13 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
     backend = backends.for_spec(loaded.spec)
     refuse_unsupported(backend, request, loaded.spec)
     if request.hang_timeout is not None:  # --hang-timeout wins over the spec's (0: off)
-        launch_spec = loaded.spec.launch.model_copy(update={"hang_timeout": request.hang_timeout or None})
+        launch_spec = loaded.spec.launch.model_copy(update={"hang_timeout": request.hang_timeout})
         loaded = dataclasses.replace(loaded, spec=loaded.spec.model_copy(update={"launch": launch_spec}))
     if request.dry_run:
         for kind, text in backend.dry_run(loaded, request).entries:
             (sink.out if kind == "out" else sink.note)(text)
+        for text in timeouts.table(loaded.spec):
+            sink.note(text)
         return
     if request.check and backend.capabilities.preflight:
         gates.setup_gate(loaded, "started", "--no-check skips this comparison",

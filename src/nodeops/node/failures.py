@@ -15,14 +15,16 @@ from nodeops.node import protocol as P
 TAIL_LINES = P.TAIL_LINES
 SHOWN_LINES = 20  # of them, the failing rank's own last lines shown under FAILED
 HUNG_EXIT = 124  # a run the hang watchdog stopped (as timeout(1) exits when its command timed out)
+TEARDOWN_EXIT = 3  # every rank finished its work, then one crashed in its teardown (the results are complete)
 
 
-def exit_code_for(outcome: str, code: int | None = None) -> int | None:
+def exit_code_for(outcome: str, code: int | None = None, kind: str = "") -> int | None:
     """The one exit-code rule of a run, on every backend: 0 when it succeeded; 130 when it was
     stopped (Ctrl-C, `nodeops stop`, scancel); 124 when the hang watchdog stopped it; for a
     failure, the failing rank's own code, except the codes nodeops keeps for itself (2: bad
     usage, nothing was run; 130: interrupted) and codes a process cannot exit with, which become
-    1. None: the outcome is not known."""
+    1; TEARDOWN_EXIT when every rank had finished its work before one crashed in its teardown
+    (``kind`` teardown). None: the outcome is not known."""
     if outcome == "ok":
         return 0
     if outcome == "stopped":
@@ -31,6 +33,8 @@ def exit_code_for(outcome: str, code: int | None = None) -> int | None:
         return HUNG_EXIT
     if outcome != "failed":
         return None
+    if kind == "teardown":
+        return TEARDOWN_EXIT
     return code if isinstance(code, int) and 0 < code < 256 and code not in (2, 130) else 1
 
 

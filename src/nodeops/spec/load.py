@@ -25,6 +25,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ValidationError
 
 from nodeops.errors import SpecError, SpecIssue
+from nodeops.spec import timeouts
 from nodeops.spec.model import GROUP_KEYS, LEGACY_GROUP, LoadedSpec, ResourceSpec, is_loopback, issue_at
 from nodeops.spec.yamlpos import Located, YamlSyntaxError, load_file, load_text
 
@@ -357,11 +358,15 @@ def validate_located(located: Located) -> LoadedSpec:
     except ValidationError as e:
         issues.extend(_issue_from_pydantic(err, located, legacy) for err in _without_union_branches(e.errors()))
     issues.extend(_cross_checks(data, located, legacy))
+    order = timeouts.problems(spec) if spec is not None else []
+    issues.extend(issue_at(located, _display(p.path, legacy), p.message, p.fix) for p in order if p.error)
     if issues or spec is None:
         issues.sort(key=lambda i: (i.line, i.col))
         raise SpecError(issues)
-    return LoadedSpec(spec=spec, file=located.file, warnings=_warnings(spec, located, legacy), located=located,
-                      legacy=legacy)  # fmt: skip
+    warned = [issue_at(located, _display(p.path, legacy), p.message, p.fix, severity="warning")
+              for p in order if not p.error]  # fmt: skip
+    return LoadedSpec(spec=spec, file=located.file, warnings=_warnings(spec, located, legacy) + warned,
+                      located=located, legacy=legacy)  # fmt: skip
 
 
 def _syntax_issue(e: YamlSyntaxError) -> SpecError:

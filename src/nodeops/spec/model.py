@@ -541,7 +541,8 @@ def hang_timeout_problem(secs: float) -> str:
     """Why a hang timeout (seconds; 0 is off) cannot be used, or ''."""
     if 0 < secs < HANG_TIMEOUT_MIN:
         return (f"the smallest is {HANG_TIMEOUT_MIN:g}s (the watchdog looks once a second; a shorter one cannot tell "
-                "a hang from a quiet step); 10m is a sound start; 0 turns it off")  # fmt: skip
+                "a hang from a quiet step); leave it unset for the default (half the collective timeout); "
+                "0 turns it off")  # fmt: skip
     return ""
 
 
@@ -556,10 +557,18 @@ class LaunchSpec(_Model):
     )
     hang_timeout: float | None = Field(
         None,
-        description="The hang watchdog: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for this "
-        "long, every rank's stack is taken, the stuck ranks are named and the run stops as hung (exit 124). "
+        description="The hard hang timeout: when no rank prints anything (or touches $NODEOPS_PROGRESS_FILE) for "
+        "this long, every rank's stack is taken, the stuck ranks are named and the run stops as hung (exit 124). "
         "The clock starts at every node's first progress (start-up gets at least 5 min). Seconds, or 90s, 10m, 1h; "
-        "at least 5s; off unless set (0 is off too). --hang-timeout overrides it.",
+        "at least 5s; 0 turns it off. Default: half the collective timeout (5m with NCCL, 15m with gloo), so it "
+        "fires before PyTorch ends the job naming no rank. Stalls are reported within seconds whatever it is "
+        "(the stall watch learns the run's pace). --hang-timeout overrides it.",
+    )
+    collective_timeout: float | None = Field(
+        None,
+        description="The collective timeout your script gives init_process_group(timeout=...), so nodeops can keep "
+        "its own timeouts below it (launch --dry-run prints them in order). Default: PyTorch's, 10m for NCCL "
+        "(a node lists GPUs), 30m for gloo. nodeops does not pass it to the script.",
     )
 
     restarts: Annotated[int, Field(ge=0)] = Field(
@@ -604,7 +613,20 @@ class LaunchSpec(_Model):
         problem = hang_timeout_problem(secs)
         if problem:
             raise _err(f"{v!r} is too short to mean a hang", problem)
-        return secs or None
+        return secs  # 0: off (None: the default)
+
+    @field_validator("collective_timeout", mode="before")
+    @classmethod
+    def _collective_timeout(cls, v: Any) -> Any:
+        if v is None:
+            return None
+        secs = duration_seconds(v)
+        if secs is None:
+            raise _err(f"{v!r} is not a duration", "write seconds or a number with a unit: 600, 10m, 1h")
+        if secs < 2 * HANG_TIMEOUT_MIN:
+            raise _err(f"{v!r} is shorter than any collective timeout a training script sets",
+                       "give what your script passes to init_process_group (its NCCL default is 10m)")  # fmt: skip
+        return secs
 
     @field_validator("restart_backoff", mode="before")
     @classmethod

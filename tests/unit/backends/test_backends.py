@@ -138,8 +138,11 @@ def test_dry_run_is_a_value_replayed_in_order_and_starts_nothing(fake: FakeBacke
     sink = Recorder()
     launch_flow.launch(request(dry_run=True), sink)
     assert fake.calls == []
-    assert sink.events == [("note", "==> would start"), ("out", "node1: train.py --lr 1e-3"),
-                           ("note", "==> nothing started")]  # fmt: skip
+    assert sink.events[:3] == [("note", "==> would start"), ("out", "node1: train.py --lr 1e-3"),
+                               ("note", "==> nothing started")]  # fmt: skip
+    # then the run's timeouts in the order they fire, the same on every backend (spec.timeouts)
+    assert [e[0] for e in sink.events[3:]] == ["note"] * len(sink.events[3:])
+    assert sink.events[3][1].startswith("timeouts, in the order they fire") and len(sink.events) > 6
 
 
 @pytest.mark.parametrize("asked", ["script", "via_ansible", "sync", "fabric_check"])

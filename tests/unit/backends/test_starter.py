@@ -41,7 +41,7 @@ def test_every_host_gets_its_agent_and_only_the_chief_the_supervisor() -> None:
     _, files = files_for(SPEC, ["train.py"])
     names = {h: [f.name for f in fs] for h, fs in files.items()}
     common = {"follow.sh", "kill.sh", "status.sh", "job.sh", "start.sh", *starter.SHIPPED}
-    assert set(names["10.0.0.1"]) == common | {"supervisor.py", "run.json"}
+    assert set(names["10.0.0.1"]) == common | {"supervisor.py", "stall.py", "run.json"}
     assert set(names["10.0.0.2"]) == common
     job = next(f for f in files["10.0.0.2"] if f.name == "job.sh").content
     assert "export NODE_RANK=1" in job

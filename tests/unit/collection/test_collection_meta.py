@@ -36,7 +36,7 @@ def test_the_collection_needs_no_nodeops_package() -> None:
                          ("src/nodeops/launch/plan.py", "plugins/module_utils/nodeops_launch.py"),
                          *((f"src/nodeops/node/{f}", f"roles/launch/files/{f}")
                            for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py",
-                                     "supervisor.py"))]:  # fmt: skip
+                                     "supervisor.py", "stall.py"))]:  # fmt: skip
         assert (ROOT / link).is_symlink() and (ROOT / link).resolve() == (ROOT / target).resolve(), link
 
 

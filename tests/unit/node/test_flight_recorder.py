@@ -6,6 +6,7 @@ checks that the dump file's path reaches real ranks and that a failed run's dump
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_the_launch_asks_for_it_where_the_spec_has_gpus_unless_the_spec_says(tex
 
 
 def rank_env(
-    tmp_path: Path, env: dict[str, str], rank: bool = True, torch: str = "2.13.0+cpu"
+    tmp_path: Path, env: dict[str, str], rank: bool = True, torch: str = "2.13.0+cpu", names: tuple[str, ...] = NAMES
 ) -> dict[str, str | None]:
     """What a process's os.environ holds once the hook (as start.sh writes it) has run: a rank
     of the run (RANK set), or another Python process that sees the same PYTHONPATH; the torch
@@ -59,7 +60,7 @@ def rank_env(
     dist = tmp_path / "dists" / f"torch-{torch.split('+')[0]}.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {torch}\n")
-    code = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {NAMES!r}}}))"
+    code = f"import json, os; print(json.dumps({{k: os.environ.get(k) for k in {names!r}}}))"
     base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": f"{run / S.HOOK_DIR}:{dist.parent}", "NODEOPS_RUN_ID": run.name}
     base |= {"RANK": "3"} if rank else {}
     p = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
@@ -99,3 +100,38 @@ def test_what_the_user_set_wins_under_either_name(tmp_path: Path) -> None:
 def test_nothing_is_set_unless_asked_or_outside_a_rank(tmp_path: Path) -> None:
     assert rank_env(tmp_path / "a", {}) == dict.fromkeys(NAMES)
     assert rank_env(tmp_path / "b", {"NODEOPS_FLIGHT_RECORDER": "1"}, rank=False) == dict.fromkeys(NAMES)
+
+
+def test_the_hook_names_the_debug_info_pipe_unless_the_user_did(tmp_path: Path) -> None:
+    got = rank_env(tmp_path / "a", {"NODEOPS_FLIGHT_RECORDER": "1"}, names=("TORCH_NCCL_DEBUG_INFO_PIPE_FILE",))
+    pipe = str(tmp_path / "a" / "20261124-101500-ab12" / S.FLIGHT_DIR / S.FLIGHT_PIPE)
+    assert got == {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": pipe}
+    mine = {"NODEOPS_FLIGHT_RECORDER": "1", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/x/p_"}
+    assert rank_env(tmp_path / "b", mine, names=("TORCH_NCCL_DEBUG_INFO_PIPE_FILE",)) == {
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/x/p_"
+    }
+    assert rank_env(tmp_path / "c", {}, names=("TORCH_NCCL_DEBUG_INFO_PIPE_FILE",)) == {
+        "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": None
+    }
+
+
+def test_a_dump_is_asked_through_each_ranks_fifo_without_ever_blocking(tmp_path: Path) -> None:
+    """What PyTorch's NCCL watchdog does with TORCH_NCCL_DEBUG_INFO_PIPE_FILE (measured on torch
+    2.11 with NCCL 2.28 on a GPU: it opens pipe_<rank>.pipe for reading and dumps on a "1"),
+    played by a reader thread here: gloo has no flight recorder, and a live NCCL dump needs a GPU
+    (untested here)."""
+    d = tmp_path / S.FLIGHT_DIR
+    d.mkdir()
+    os.mkfifo(d / f"{S.FLIGHT_PIPE}3.pipe")
+    os.mkfifo(d / f"{S.FLIGHT_PIPE}4.pipe")  # a rank that is gone: nobody reads it
+    (d / "rank_3").write_text("an earlier dump")  # not a FIFO: never written
+    got: list[bytes] = []
+    fd = os.open(d / f"{S.FLIGHT_PIPE}3.pipe", os.O_RDONLY | os.O_NONBLOCK)  # the rank reads its FIFO
+    try:
+        assert S.ask_flight(str(tmp_path)) == [3]  # returns at once: pipe_4 has no reader (O_NONBLOCK: ENXIO)
+        got.append(os.read(fd, 16))
+    finally:
+        os.close(fd)
+    assert got == [b"1\n"]
+    assert (d / "rank_3").read_text() == "an earlier dump"
+    assert S.ask_flight(str(tmp_path / "none")) == []

@@ -50,6 +50,17 @@ def test_infra_restarts_infrastructure_faults_only_and_any_restarts_all() -> Non
     assert R.should_restart("lost", "any", 1, 0) == (False, "")
 
 
+def test_a_job_that_finished_its_work_is_never_run_again() -> None:
+    again, why = R.should_restart("teardown", "any", 1, 2)
+    assert not again and "every rank had finished its work" in why
+    done = [(2, 2), (2, 2)]
+    assert R.finished_then_crashed("signal", done) and R.finished_then_crashed("peer", done)
+    assert not R.finished_then_crashed("lost", done)  # a lost host is no teardown crash
+    assert not R.finished_then_crashed("signal", [(2, 2), (1, 2)])  # a rank still worked
+    assert not R.finished_then_crashed("signal", [(2, 2), None])  # a host that did not say (mpirun's)
+    assert not R.finished_then_crashed("signal", [(0, 0)])  # no rank with the hook: nothing is known
+
+
 def test_the_same_failure_after_its_host_was_replaced_is_a_loop() -> None:
     sig = R.signature("signal", 1, -9, "torchrun reported a failed worker (exit code -9)")
     assert sig == R.signature("signal", 1, 137, "exited 137") == ["signal", 1, "signal 9"]  # however reported

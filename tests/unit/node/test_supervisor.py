@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 def ship(d: Path) -> None:
     """The files a run dir gets beside its job (the chief's supervisor too)."""
-    for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py", "supervisor.py"):
+    for f in ("agent.py", "protocol.py", "stacks.py", "recovery.py", "supervisor.py", "stall.py"):
         shutil.copy(LAUNCH / f, d / f)
 
 

@@ -33,6 +33,7 @@ from nodeops.node import slurm_watch as W
 from nodeops.node import stacks as S
 from nodeops.quoting import sh_word
 from nodeops.setup.render import ssh_config
+from nodeops.spec import timeouts
 from nodeops.spec.model import LoadedSpec, Node, ResourceSpec
 from nodeops.transport import last_line
 
@@ -312,7 +313,7 @@ def run_files(loaded: LoadedSpec) -> dict[str, str]:
         files[slurm.MPI_SPLIT] = Path(mpi_split.__file__).read_text()
         files[slurm.MPI_SHIM] = launchers.mpi_shim()
         files[slurm.MPI_PROTOCOL] = Path(P.__file__).read_text()
-    timeout = loaded.spec.launch.hang_timeout
+    timeout = timeouts.hard(loaded.spec)[0]
     if timeout:
         files["watch.py"] = Path(W.__file__).read_text()
         files[W.CONFIG] = json.dumps({"hang_timeout": timeout})
@@ -589,10 +590,11 @@ class SlurmBackend(Backend):
         out.out(f"#   sbatch --parsable --output=RUN_DIR/{slurm.BATCH_LOG} RUN_DIR/{slurm.SCRIPT} "
                 + " ".join(sh_word(a) for a in request.argv))  # fmt: skip
         out.out(slurm.batch_script(loaded).removesuffix("\n"))
-        if loaded.spec.launch.hang_timeout:
+        hard = timeouts.hard(loaded.spec)[0]
+        if hard:
             out.note(
                 f"==> the hang watchdog would run beside the training step on the batch node: no progress for "
-                f"{loaded.spec.launch.hang_timeout:.0f}s -> every rank's stack, the stuck rank named, exit 124"
+                f"{hard:.0f}s -> every rank's stack, the stuck rank named, exit 124"
             )
         lc = loaded.spec.launch
         if lc.restarts and loaded.spec.slurm is not None:

@@ -31,10 +31,12 @@ from nodeops.node import failures, mpi_split
 from nodeops.node import protocol as P
 from nodeops.node import recovery as R
 from nodeops.node import stacks as S
+from nodeops.node import stall as ST
 from nodeops.node.fabric import FabricError
 from nodeops.quoting import sh_word
 from nodeops.setup.render import inventory, ssh_config
 from nodeops.setup.runner import run_playbook
+from nodeops.spec import timeouts
 from nodeops.spec.model import LoadedSpec, ResourceSpec
 
 Emit = Callable[[str, str], None]
@@ -111,7 +113,7 @@ def recovery(spec: ResourceSpec) -> dict[str, object] | None:
 
 def supervisor_config(spec: ResourceSpec, run_id: str, started: list[str]) -> dict[str, Any]:
     return _launch_plan.run_config(run_id, supervised_hosts(spec, started), spec.launch.runner,
-                                   spec.launch.max_restarts, spec.launch.hang_timeout, recovery(spec))  # fmt: skip
+                                   spec.launch.max_restarts, timeouts.hard(spec)[0], recovery(spec))  # fmt: skip
 
 
 def launch_plan(loaded: LoadedSpec, user_argv: list[str], run_id: str, script: str | None) -> list[HostLaunch]:
@@ -279,7 +281,8 @@ def keep_verdict(local: Path, res: ssh_run.JobResult) -> store.Verdict | None:
         detail = f"failed: first failure on {first['host']} ({first['why']})"
     else:
         detail = "stopped on request" if res.stopped_elsewhere else "interrupted (Ctrl-C)"
-    v = store.Verdict(outcome, detail, failures.exit_code_for(outcome, code), first_failure=first,
+    kind = str(((res.supervisor or {}).get("first_failure") or {}).get("kind") or "")
+    v = store.Verdict(outcome, detail, failures.exit_code_for(outcome, code, kind), first_failure=first,
                       teardown_seconds=res.teardown_seconds,
                       hosts={h: {"exit_code": st.exit_code, "lost": st.lost_reason} for h, st in res.hosts.items()},
                       raw=res.supervisor or {})  # fmt: skip
@@ -398,7 +401,13 @@ def run_job(
         code = failures.failure_code(rc)
         why = f"exit code {code}" if code else rc.lost_reason
         own, summary = failures.failure_lines(rc.tail)
-        sink.note(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); its last lines:")
+        first = (res.supervisor or {}).get("first_failure") or {}
+        if first.get("kind") == "teardown":
+            sink.note(f"==> run {run_id} finished its work, then crashed in teardown: every rank's script ended, "
+                      f"then a rank on {first.get('host')} died ({why}); the results are complete; exit "
+                      f"{failures.TEARDOWN_EXIT}. Its last lines:")  # fmt: skip
+        else:
+            sink.note(f"==> run {run_id} FAILED: first failure on {rc.host} ({why}); its last lines:")
         for line in own + (summary if verbose or not own else []):
             sink.note(f"    {rc.host} {failures.one_prefix(line)}")
         if summary and own and not verbose:
@@ -498,6 +507,8 @@ class SshBackend(Backend):
         if attempts:
             for a in attempts.get("attempts") or []:
                 sink.note(f"{R.describe(a, int(attempts.get('total') or 0))}")
+        for st in ssh_run.read_stalls(job) if verdict is None else verdict.get("stalls") or []:
+            sink.note(ST.describe(st))
         if job.handle.get(RESTARTS) and states.get(job.chief, "").startswith("unreachable"):
             sink.note(f"the chief {job.chief} is unreachable: its supervisor makes the restarts, so this run "
                       "cannot recover (every other host stops its ranks within seconds of losing it)")  # fmt: skip

@@ -69,7 +69,8 @@ class JobResult:
         if self.hang is not None:
             return exit_code_for("hung") or 1
         if self.root_cause is not None:
-            return exit_code_for("failed", failure_code(self.root_cause)) or 1
+            kind = str(((self.supervisor or {}).get("first_failure") or {}).get("kind") or "")
+            return exit_code_for("failed", failure_code(self.root_cause), kind) or 1
         return 0
 
     def __post_init__(self) -> None:
@@ -111,15 +112,27 @@ def read_logs(job: Job, current: bool = True) -> dict[str, list[str]]:
     return {h: lines for h, lines in fan_out(job.kill_hosts, one).items() if lines}
 
 
-def read_attempts(job: Job) -> dict[str, Any] | None:
-    """The chief's attempts.json (automatic restarts), or None."""
-    f = sh_word(f"{remote_dir(job.run_id)}/{P.ATTEMPTS}")
+def read_chief_json(job: Job, name: str) -> Any:
+    """A JSON file of the run dir on the chief (the supervisor's), or None."""
+    f = sh_word(f"{remote_dir(job.run_id)}/{name}")
     try:
         p = subprocess.run(ssh_argv(job.ssh_config, job.chief, "cat", f), capture_output=True, text=True, timeout=30,
                            check=False)  # fmt: skip
-        return dict(json.loads(p.stdout)) if p.returncode == 0 else None
+        return json.loads(p.stdout) if p.returncode == 0 else None
     except (subprocess.TimeoutExpired, ValueError):
         return None
+
+
+def read_attempts(job: Job) -> dict[str, Any] | None:
+    """The chief's attempts.json (automatic restarts), or None."""
+    got = read_chief_json(job, P.ATTEMPTS)
+    return dict(got) if isinstance(got, dict) else None
+
+
+def read_stalls(job: Job) -> list[dict[str, Any]]:
+    """Every stall the chief's stall watch reported so far (stalls.json)."""
+    got = read_chief_json(job, P.STALLS)
+    return [dict(st) for st in got if isinstance(st, dict)] if isinstance(got, list) else []
 
 
 def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, str]:
@@ -370,6 +383,8 @@ def follow(
                     st.lost_reason = st.lost_reason or "connection to the host was lost"
             elif line.startswith("@@nodeops-lost "):
                 st.lost_reason = line.removeprefix("@@nodeops-lost ")
+            elif line.startswith(P.NOTE_MARK):  # the supervisor's notice (a stall): shown, never a host's tail
+                emit(host, line)
             elif line.startswith(P.EXIT_MARK):
                 value = line.removeprefix(P.EXIT_MARK).strip()
                 st.exit_code = int(value) if value.lstrip("-").isdigit() else -1

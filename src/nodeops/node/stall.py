@@ -1,0 +1,1 @@
+../../../roles/launch/files/stall.py
