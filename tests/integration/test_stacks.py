@@ -48,6 +48,11 @@ def test_hang_watchdog_names_the_stuck_rank_and_stops_the_run(
     assert re.search(r"stuck: rank 2 \(node3\): stuck_forever \(ddp_train\.py:\d+\)", p.stderr), p.stderr[-3000:]
     assert re.search(r"the others: ranks 0-1 \(node1, node2\): all_reduce \(", p.stderr), p.stderr[-3000:]
     assert "every rank's stack: " in p.stderr
+    # the stall watch named it first, live, within seconds (0.2 s steps), without stopping the run
+    stall = re.search(r"==> stall: rank 2 \(node3\) has made no progress for (\d+)s, in stuck_forever "
+                      r"\(ddp_train\.py:\d+\); ranks 0-1 wait in all_reduce \(", p.stderr)  # fmt: skip
+    assert stall is not None and int(stall.group(1)) <= 15, p.stderr[-3000:]
+    assert p.stderr.index("==> stall:") < p.stderr.index("HUNG:")
     run_id = re.search(r"==> run (\S+): starting", p.stderr).group(1)  # type: ignore[union-attr]
     hang = json.loads((Path.home() / ".nodeops" / "jobs" / run_id / "stacks" / "hang.json").read_text())
     assert sorted(d["rank"] for d in hang["dumps"]) == [0, 1, 2]
@@ -72,6 +77,9 @@ def test_detached_hang_is_judged_on_the_chief_and_status_says_hung(
         st = _cli("status", run_id)
     assert "hung: no progress for" in st.stderr, st.stdout + st.stderr
     assert re.search(r"stuck: rank 0 \(node1\): stuck_forever", st.stderr), st.stderr
+    assert re.search(
+        r"stall: last progress at [\d:]+; reported \+[\d.]+ s; .*: rank 0 \(node1\) has made", st.stderr
+    ), st.stderr
     assert (Path.home() / ".nodeops" / "jobs" / run_id / "stacks" / "hang.json").is_file()
     assert no_leftovers_within(sandbox_cluster, 15) == CLEAN
 

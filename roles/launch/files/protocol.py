@@ -42,7 +42,6 @@ ATTEMPTS_DIR = "attempts"  # attempts/K/: what attempt K left on a host (host.lo
 
 # Markers on stdout of the scripts the controller runs over ssh.
 STARTED = "@@nodeops-started"
-NOTE_MARK = "@@nodeops-note "  # a line the supervisor adds to the chief's host.log: a notice, not the job's
 EXIT_MARK = "@@nodeops-exit "  # follow.sh: "@@nodeops-exit CODE" / "killed" / "never-started"
 STOPPED = "@@nodeops-stopped"  # kill: nothing of the run is left on this host
 LEFT = "@@nodeops-left "  # kill: "@@nodeops-left N" processes survived SIGKILL

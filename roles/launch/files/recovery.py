@@ -215,12 +215,13 @@ def incident(a: dict[str, Any], nxt: dict[str, Any] | None) -> str:
         f"; {said}" if said else "")  # fmt: skip
 
 
-def goodput(attempts: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+def goodput(attempts: Sequence[dict[str, Any]], stalls: Sequence[dict[str, Any]] = ()) -> dict[str, float] | None:
     """The run's goodput from its attempts' timelines: the share of its wall time in which
     training ran (every host's ranks printed, until the fault or the end), and the time lost,
     split into start-up (the first attempt's, to its ranks' first lines), faults (from each
-    fault to the ranks stopped) and restarts (from there to the next attempt's training).
-    None when the timeline is missing (a run of an older release)."""
+    fault to the ranks stopped), restarts (from there to the next attempt's training) and stalls
+    (the stall watch's reports: from the last progress to progress again, or to the attempt's
+    end). None when the timeline is missing (a run of an older release)."""
     timed = [a for a in attempts if (a.get("times") or {}).get("began")]
     if not timed or len(timed) != len(attempts):
         return None
@@ -242,11 +243,16 @@ def goodput(attempts: Sequence[dict[str, Any]]) -> dict[str, float] | None:
                 nxt = timed[i + 1]["times"]
                 restarts += max(0.0, float(nxt.get("ranks_up") or nxt.get("ended") or nxt["began"])
                                 - float(t.get("ended") or stop))  # fmt: skip
+    stalled = sum(max(0.0, float(st.get("ended") or end) - float(st.get("since") or end)) for st in stalls)
+    stalled = min(stalled, train)
+    train -= stalled
     return {"goodput": round(train / wall, 4), "wall": round(wall, 1), "training": round(train, 1),
-            "startup": round(startup, 1), "faults": round(faults, 1), "restarts": round(restarts, 1)}  # fmt: skip
+            "startup": round(startup, 1), "faults": round(faults, 1), "restarts": round(restarts, 1),
+            "stalls": round(stalled, 1)}  # fmt: skip
 
 
 def goodput_line(g: dict[str, float]) -> str:
     """'goodput 87% of 1h02m: lost 41.0 s to start-up, 3.1 s to faults, 12.4 s to restarts'."""
-    lost = [f"{g[k]:.1f} s to {k.replace('startup', 'start-up')}" for k in ("startup", "faults", "restarts") if g[k]]
+    lost = [f"{g[k]:.1f} s to {k.replace('startup', 'start-up')}"
+            for k in ("startup", "faults", "restarts", "stalls") if g.get(k)]  # fmt: skip
     return f"goodput {g['goodput'] * 100:.0f}% of {g['wall']:.1f} s" + (f": lost {', '.join(lost)}" if lost else "")

@@ -28,16 +28,15 @@ from typing import Any
 
 if __package__:
     from . import stacks as S
-    from .protocol import NOTE_MARK
-else:  # shipped: stacks.py and protocol.py lie beside this file
+else:  # shipped: stacks.py lies beside this file
     import stacks as S  # type: ignore[import-not-found,no-redef]
-    from protocol import NOTE_MARK  # type: ignore[import-not-found,no-redef]
 
 FLOOR = 5.0  # seconds of silence below which nothing is ever suspected
 FACTOR = 4.0  # a silence of this many times the longest gap seen is suspected
 MIN_GAPS = 3  # a host's own pace counts once this many gaps were seen there
 STRETCH = 1.5  # a healthy quiet phase of T seconds: silences up to STRETCH * T are not suspected again
 RECHECK = 2.0  # a silence that looked healthy is looked at again when it is this many times as long
+NOTE_MARK = "@@nodeops-note "  # a line the supervisor adds to the chief's host.log: a notice, not the job's
 
 
 # Frames of a rank that waits for its peers (torch.distributed's collectives and their waits).
@@ -192,8 +191,10 @@ def note(text: str) -> str:
 
 
 def describe(st: dict[str, Any]) -> str:
-    """One stall of ``stalls.json`` for ``status``: when, what, and whether it is over."""
-    at = time.strftime("%H:%M:%S", time.localtime(float(st.get("at") or 0)))
-    end = (f"over after {float(st['lasted']):.0f}s" if st.get("ended")
-           else "still no progress when last seen")  # fmt: skip
-    return f"stall seen at {at}: {st.get('line', '')} [{end}]"
+    """One stall (``stalls.json``, a verdict's ``stalls``) as a timeline line: its last progress,
+    when it was reported, when progress came again, and what the stacks said."""
+    since = float(st.get("since") or st.get("at") or 0)
+    at = time.strftime("%H:%M:%S", time.localtime(since))
+    found = f"reported +{float(st.get('at') or since) - since:.1f} s"
+    end = f"training again +{float(st['lasted']):.1f} s" if st.get("ended") else "no progress since"
+    return f"stall: last progress at {at}; {found}; {end}: {st.get('line', '')}"

@@ -18,7 +18,7 @@ from typing import Any
 
 from nodeops.errors import NodeopsError
 from nodeops.node import protocol as P
-from nodeops.node import recovery
+from nodeops.node import recovery, stall
 from nodeops.node.failures import exit_code_for
 from nodeops.resources import nodeops_home
 from nodeops.setup.render import pins_digest, ssh_config_text, ssh_target_from_record
@@ -197,7 +197,9 @@ def timeline(result: dict[str, Any]) -> tuple[list[str], dict[str, float] | None
     attempts = timed_attempts(result)
     lines = [recovery.incident(a, attempts[i + 1] if i + 1 < len(attempts) else None)
              for i, a in enumerate(attempts)]  # fmt: skip
-    return [line for line in lines if line], recovery.goodput(attempts)
+    stalls = [st for st in result.get("stalls") or [] if isinstance(st, dict)]
+    lines += [stall.describe(st) for st in stalls]
+    return [line for line in lines if line], recovery.goodput(attempts, stalls)
 
 
 def describe(result: dict[str, Any]) -> str:

@@ -19,7 +19,7 @@ from nodeops import __version__
 from nodeops.cli.reports import print_fabric
 from nodeops.errors import EXIT_INTERRUPTED, EXIT_SPEC, ExitWith, NodeopsError, SpecError
 from nodeops.node.failures import one_prefix
-from nodeops.node.protocol import NOTE_MARK
+from nodeops.node.stall import NOTE_MARK
 
 
 def _plain_metavar(self: typer.core.TyperOption | typer.core.TyperArgument, ctx: object) -> str | None:

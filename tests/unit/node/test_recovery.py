@@ -93,8 +93,12 @@ def test_a_fault_on_the_timeline_and_the_runs_goodput() -> None:
     g = R.goodput([first, second])
     # training: 20 -> 100 (the fault: the lost host's last progress) and 121.3 -> 221.3: 180 s of 221.3
     assert g == {"goodput": round(180 / 221.3, 4), "wall": 221.3, "training": 180.0, "startup": 20.0,
-                 "faults": 3.0, "restarts": 18.3}  # fmt: skip
+                 "faults": 3.0, "restarts": 18.3, "stalls": 0.0}  # fmt: skip
     assert R.goodput_line(g) == "goodput 81% of 221.3 s: lost 20.0 s to start-up, 3.0 s to faults, 18.3 s to restarts"
+    # a stall the stall watch reported (30 s without progress, then training again) is time lost too
+    stalled = R.goodput([first, second], [{"since": t0 + 150, "ended": t0 + 180}])
+    assert stalled is not None and (stalled["training"], stalled["stalls"]) == (150.0, 30.0)
+    assert R.goodput_line(stalled).endswith("18.3 s to restarts, 30.0 s to stalls")
     assert R.goodput([{"attempt": 1}]) is None  # an older release's record: no timeline
 
 

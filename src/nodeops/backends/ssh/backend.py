@@ -507,7 +507,7 @@ class SshBackend(Backend):
         if attempts:
             for a in attempts.get("attempts") or []:
                 sink.note(f"{R.describe(a, int(attempts.get('total') or 0))}")
-        for st in ssh_run.read_stalls(job) if verdict is None else verdict.get("stalls") or []:
+        for st in ssh_run.read_stalls(job) if verdict is None else []:  # a verdict's: in its timeline
             sink.note(ST.describe(st))
         if job.handle.get(RESTARTS) and states.get(job.chief, "").startswith("unreachable"):
             sink.note(f"the chief {job.chief} is unreachable: its supervisor makes the restarts, so this run "

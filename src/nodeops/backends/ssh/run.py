@@ -29,6 +29,7 @@ from nodeops.interrupts import ignoring_interrupts
 from nodeops.node import mpi_split
 from nodeops.node import protocol as P
 from nodeops.node import stacks as S
+from nodeops.node import stall as ST
 from nodeops.node.failures import (
     TAIL_LINES,
     HostState,
@@ -383,7 +384,7 @@ def follow(
                     st.lost_reason = st.lost_reason or "connection to the host was lost"
             elif line.startswith("@@nodeops-lost "):
                 st.lost_reason = line.removeprefix("@@nodeops-lost ")
-            elif line.startswith(P.NOTE_MARK):  # the supervisor's notice (a stall): shown, never a host's tail
+            elif line.startswith(ST.NOTE_MARK):  # the supervisor's notice (a stall): shown, never a host's tail
                 emit(host, line)
             elif line.startswith(P.EXIT_MARK):
                 value = line.removeprefix(P.EXIT_MARK).strip()
