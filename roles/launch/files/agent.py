@@ -305,6 +305,7 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
     recent: deque[str] = deque(maxlen=P.TAIL_LINES)  # what the ranks printed before torchrun's failure line
     agent_failed_said = False
     ranks_up = False  # a rank of this host printed (the log is read from its start): said once
+    last_step: int | None = None  # the last training step a rank here printed (a failure's signature)
     stopped = False
     buf = b""
     while True:
@@ -321,9 +322,14 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
                     threw = raised(m.group(2))
                     peer = any(P.PEER_LOST.search(r) for r in recent) or bool(threw and P.PEER_LOST.search(threw))
                     how = "peer" if peer else "raised" if threw is not None else "own"
+                    if last_step is not None:
+                        say(f"step {last_step}")
                     # "stopped": this line was read after a stop came (its code may be the stop's doing)
                     say(f"agent-failed {m.group(1)} {how}" + (" stopped" if stopped else ""))
                 recent.append(line)
+                step = P.STEP.search(line) if P.RANK_OUTPUT.search(line) else None
+                if step is not None:
+                    last_step = int(step.group(1))
                 m = P.PDSH_EXIT.match(line) if pdsh else None
                 if m and m.group(2) != "0":
                     say(f"pdsh-failed {m.group(1)} {m.group(2)}")
@@ -366,6 +372,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             left = kill_run("the job ended: its strays") if tagged_pids() else 0  # nothing outlives the job
             done, started = finished_ranks()
             say(f"finished {done} {started}")  # how many of its ranks ended their script first
+            if last_step is not None:
+                say(f"step {last_step}")
             say("exit " + ("killed " + (killed or "") if killed is not None else code)
                 + (f" ({left} left)" if left else ""))  # fmt: skip
             return 0

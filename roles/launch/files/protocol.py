@@ -22,6 +22,9 @@ LOST = "lost"  # why the agent stopped the job on its own (the dead man's switch
 # A line a rank printed, in a host's log: torchrun's `[rankN]:` prefix (after its \x1e mark),
 # mpirun's --tag-output `[job,rank]<stdout>:`, anywhere on the line (pdsh puts its address first).
 RANK_OUTPUT = re.compile(r"\[rank\d+\]:|\[\d+,\d+\]<std(?:out|err)>:")
+# A training step a rank printed ("step 5", "step=5", "Step: 5/100"): the last one on a host goes
+# into a failure's signature (recovery.signature).
+STEP = re.compile(r"\bstep\b\W{0,3}(\d+)", re.I)
 HEARTBEAT = "heartbeat"  # touched by the guard at every heartbeat from the supervisor
 PROGRESS = "progress"  # the script may touch it ($NODEOPS_PROGRESS_FILE): progress for the hang watchdog
 HANG = "hang.json"  # the hang watchdog's report and every rank's stack (chief only)

@@ -80,16 +80,17 @@ def should_restart(kind: str, restart_on: str, done: int, restarts: int) -> tupl
     return True, ""
 
 
-def signature(kind: str, rank: int | None, code: Any, why: str) -> list[Any]:
+def signature(kind: str, rank: int | None, code: Any, why: str, step: int | None = None) -> list[Any]:
     """What tells one failure from another across attempts: its kind, the culprit's node rank
-    (None: no host blamed) and what it was, the same however it was reported: the signal or exit
+    (None: no host blamed), what it was, the same however it was reported: the signal or exit
     code (``code``: a shell's 128+N and torchrun's -N are both signal N), else its words without
-    durations (a hang's 'no progress for 41s' is the same hang after 43 s)."""
+    durations (a hang's 'no progress for 41s' is the same hang after 43 s), and the training step
+    its host last printed (None: unknown): the same failure at another step is another failure."""
     if isinstance(code, int) and not isinstance(code, bool):
         what = f"signal {-code}" if code < 0 else f"signal {code - 128}" if code > 128 else f"exit code {code}"
     else:
         what = re.sub(r"\b\d+(?:\.\d+)?\s?s\b", "N s", why)
-    return [kind, rank, what]
+    return [kind, rank, what, step]
 
 
 def loop(earlier: Sequence[dict[str, Any]], sig: list[Any], culprit: str | None) -> str:
@@ -103,7 +104,8 @@ def loop(earlier: Sequence[dict[str, Any]], sig: list[Any], culprit: str | None)
         return ""
     hosts = " then ".join([*(str(a.get("culprit")) for a in same), culprit])
     excluded = [h for a in same for h in a.get("excluded") or []]
-    return (f"the same failure twice ({sig[0]} at node rank {sig[1]}: {sig[2]}; on {hosts}): not a node fault; "
+    at = f" at step {sig[3]}" if len(sig) > 3 and sig[3] is not None else ""
+    return (f"the same failure twice ({sig[0]} at node rank {sig[1]}: {sig[2]}{at}; on {hosts}): not a node fault; "
             "not restarting" + (f" ({', '.join(excluded)} excluded for it)" if excluded else ""))  # fmt: skip
 
 

@@ -105,6 +105,7 @@ class Link:
         self.sent_stop = False  # this supervisor told it to stop
         self.stderr: list[str] = []
         self.finished: tuple[int, int] | None = None  # (ranks that finished their script, ranks started)
+        self.step: int | None = None  # the last training step its ranks printed
 
     def send(self, line: str) -> None:
         with self.lock:
@@ -144,7 +145,8 @@ def read_events(link: Link, events: queue.Queue[tuple[Link, str | None]]) -> Non
 
 
 def host_result(lk: Link) -> dict[str, Any]:
-    return {"ended": lk.ended, "left": lk.left, "lost": lk.lost if lk.ended == "lost" else ""}
+    return {"ended": lk.ended, "left": lk.left, "lost": lk.lost if lk.ended == "lost" else "",
+            **({"step": lk.step} if lk.step is not None else {})}  # fmt: skip
 
 
 def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -305,6 +307,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         elif words[0] == "pdsh-failed" and len(words) == 3:
             fail(by_address.get(words[1], lk), words[2], f"exited {words[2]} (pdsh's report)", P.CAUSE_EXIT,
                  kind=R.kind_of_exit(words[2]))  # fmt: skip
+        elif words[0] == "step" and len(words) == 2 and words[1].isdigit():
+            lk.step = int(words[1])
         elif words[0] == "finished" and len(words) == 3 and words[1].isdigit() and words[2].isdigit():
             lk.finished = (int(words[1]), int(words[2]))
         elif words[0] == "stopped" and len(words) == 2:
@@ -628,7 +632,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         kind, culprit, why = culprit_of(result)
         rank = a["hosts"].index(culprit) if culprit in a["hosts"] else None
         code = (result.get("first_failure") or {}).get("code") if kind != "lost" else None
-        a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, code, why))
+        step = ((result.get("hosts") or {}).get(culprit) or {}).get("step") if culprit else None
+        a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, code, why, step))
         again, why_not = R.should_restart(kind, str(rec.get("restart_on") or "infra"), n, restarts)
         why_not = why_not if not again else R.loop(attempts[:-1], a["signature"], culprit)
         if not again or why_not:

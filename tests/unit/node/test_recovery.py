@@ -63,7 +63,7 @@ def test_a_job_that_finished_its_work_is_never_run_again() -> None:
 
 def test_the_same_failure_after_its_host_was_replaced_is_a_loop() -> None:
     sig = R.signature("signal", 1, -9, "torchrun reported a failed worker (exit code -9)")
-    assert sig == R.signature("signal", 1, 137, "exited 137") == ["signal", 1, "signal 9"]  # however reported
+    assert sig == R.signature("signal", 1, 137, "exited 137") == ["signal", 1, "signal 9", None]  # however reported
     hang = R.signature("hang", 2, None, "no progress for 41s; rank 2 stuck in fetch (t.py:3)")
     assert hang == R.signature("hang", 2, None, "no progress for 43s; rank 2 stuck in fetch (t.py:3)")
     first = {"attempt": 1, "culprit": "node2", "signature": sig, "excluded": ["node2"]}
@@ -76,6 +76,11 @@ def test_the_same_failure_after_its_host_was_replaced_is_a_loop() -> None:
     lost = R.signature("lost", 1, None, "its guard was lost")
     assert R.loop([{**first, "signature": lost}], lost, "node4") == ""  # a lost machine is the machine's fault
     assert R.loop([first], sig, None) == ""
+    # the step its host last printed: the same failure at the same step is a loop, at another step not
+    at5 = R.signature("signal", 1, -9, "", step=5)
+    said = R.loop([{**first, "signature": at5}], R.signature("signal", 1, 137, "", step=5), "node4")
+    assert said.startswith("the same failure twice (signal at node rank 1: signal 9 at step 5; on node2 then node4)")
+    assert R.loop([{**first, "signature": at5}], R.signature("signal", 1, -9, "", step=9), "node4") == ""
 
 
 def test_a_fault_on_the_timeline_and_the_runs_goodput() -> None:
