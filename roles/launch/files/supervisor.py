@@ -419,6 +419,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                    or time.monotonic() - began > S.HANG_STARTUP_GRACE)  # fmt: skip
         limit = hang_timeout if started else max(hang_timeout, S.HANG_STARTUP_GRACE)
         calm = first is None and outcome == "ok" and stopping_since is None and sweep_since is None
+        if started and not rhythm.learning:  # ranks that print on some hosts only: learned from the grace's end
+            rhythm.start(time.monotonic())
         if hang_timeout and hang.get("for") == "stall" and calm and quiet > limit:
             hang["for"] = "hang"  # the stacks being taken answer the hard timeout too
             hang["idle"] = quiet
