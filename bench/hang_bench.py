@@ -41,6 +41,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,11 +114,10 @@ def job_processes(sb: sandbox.Sandbox) -> int:
         return sum(pool.map(one, sb.nodes))
 
 
-def hang_once(sb: sandbox.Sandbox, spec: Path, timeout: float) -> dict[str, object]:
-    marker = f"/tmp/nodeops-bench-hung-{time.time_ns()}"
-    node4 = sb.nodes[3]
-    argv = [NODEOPS, "launch", str(spec), "--no-check", "--hang-timeout", str(timeout), "--",
-            "hang.py", "3", "20", marker]  # fmt: skip
+def watch_stderr(
+    argv: list[str], found: Callable[[str], bool]
+) -> tuple[subprocess.Popen[str], threading.Thread, list[float], list[str]]:
+    """Start ``argv``; a thread keeps its stderr lines and the time the first ``found`` one came."""
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     reported: list[float] = []
     lines: list[str] = []
@@ -126,11 +126,20 @@ def hang_once(sb: sandbox.Sandbox, spec: Path, timeout: float) -> dict[str, obje
         assert proc.stderr is not None
         for line in proc.stderr:
             lines.append(line)
-            if "stuck: rank 3" in line and not reported:
+            if found(line) and not reported:
                 reported.append(time.time())
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
+    return proc, reader, reported, lines
+
+
+def hang_once(sb: sandbox.Sandbox, spec: Path, timeout: float) -> dict[str, object]:
+    marker = f"/tmp/nodeops-bench-hung-{time.time_ns()}"
+    node4 = sb.nodes[3]
+    argv = [NODEOPS, "launch", str(spec), "--no-check", "--hang-timeout", str(timeout), "--",
+            "hang.py", "3", "20", marker]  # fmt: skip
+    proc, reader, reported, lines = watch_stderr(argv, lambda line: "stuck: rank 3" in line)
     hung_at = time_in_marker(node4.container, marker, every=0.1)
     if hung_at is None:
         proc.kill()
@@ -161,19 +170,7 @@ def stall_once(sb: sandbox.Sandbox, spec: Path) -> dict[str, float]:
     marker = f"/tmp/nodeops-bench-stall-{time.time_ns()}"
     node4 = sb.nodes[3]
     argv = [NODEOPS, "launch", str(spec), "--no-check", "--", "hang.py", "3", "20", marker, "0.5", "1"]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    reported: list[float] = []
-    lines: list[str] = []
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if line.startswith("==> stall: rank 3 (node4)") and not reported:
-                reported.append(time.time())
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
+    proc, reader, reported, lines = watch_stderr(argv, lambda line: line.startswith("==> stall: rank 3 (node4)"))
     try:
         hung_at = time_in_marker(node4.container, marker, every=0.1)
         if hung_at is None:

@@ -17,6 +17,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -602,31 +603,21 @@ class LaunchSpec(_Model):
         "Default: on when a node lists GPUs (gpus: [...] or auto); ssh backend.",
     )
 
-    @field_validator("hang_timeout", mode="before")
+    @field_validator("hang_timeout", "collective_timeout", mode="before")
     @classmethod
-    def _hang_timeout(cls, v: Any) -> Any:
+    def _timeouts(cls, v: Any, info: ValidationInfo) -> Any:
         if v is None:
             return None
         secs = duration_seconds(v)
         if secs is None:
             raise _err(f"{v!r} is not a duration", "write seconds or a number with a unit: 90, 90s, 10m, 1h")
-        problem = hang_timeout_problem(secs)
-        if problem:
-            raise _err(f"{v!r} is too short to mean a hang", problem)
-        return secs  # 0: off (None: the default)
-
-    @field_validator("collective_timeout", mode="before")
-    @classmethod
-    def _collective_timeout(cls, v: Any) -> Any:
-        if v is None:
-            return None
-        secs = duration_seconds(v)
-        if secs is None:
-            raise _err(f"{v!r} is not a duration", "write seconds or a number with a unit: 600, 10m, 1h")
-        if secs < 2 * HANG_TIMEOUT_MIN:
+        if info.field_name == "collective_timeout" and secs < 2 * HANG_TIMEOUT_MIN:
             raise _err(f"{v!r} is shorter than any collective timeout a training script sets",
                        "give what your script passes to init_process_group (its NCCL default is 10m)")  # fmt: skip
-        return secs
+        problem = hang_timeout_problem(secs) if info.field_name == "hang_timeout" else ""
+        if problem:
+            raise _err(f"{v!r} is too short to mean a hang", problem)
+        return secs  # hang_timeout 0: off (None: the default)
 
     @field_validator("restart_backoff", mode="before")
     @classmethod
