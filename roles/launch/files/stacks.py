@@ -474,6 +474,12 @@ def group_line(g: dict[str, Any]) -> str:
     return f"{who}: {frames_text(g['frames'])}"
 
 
+def running(dumps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The dumps of ranks still running their script: a rank whose main thread has no Python
+    frame (and no error) has ended its script and is in the interpreter's teardown."""
+    return [d for d in dumps if d.get("frames") or d.get("error")]
+
+
 def suspects(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The groups to blame for a hang: those that differ from the majority."""
     return [g for g in groups if g["odd"]]

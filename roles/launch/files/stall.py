@@ -138,8 +138,9 @@ def verdict(dumps: list[dict[str, Any]], idle: float) -> dict[str, Any]:
     methods = sorted({str(d.get("method")) for d in dumps if d.get("method")})
     base: dict[str, Any] = {"idle_seconds": round(idle, 1), "method": ", ".join(methods) or "none",
                             "ranks": len({d["rank"] for d in dumps})}  # fmt: skip
+    dumps = S.running(dumps)
     if not dumps:
-        return dict(base, kind="none", line="no rank is alive", culprits=[], groups=[], host="")
+        return dict(base, kind="none", line="no rank runs its script", culprits=[], groups=[], host="")
     groups = S.group(dumps)
     base["groups"] = [S.group_line(g) for g in groups]
     live = [g for g in groups if not g["error"]]

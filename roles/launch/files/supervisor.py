@@ -458,9 +458,10 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 hang.clear()
         elif (answered and hang_report is None and outcome == "ok" and stopping_since is None
               and (not flight or time.monotonic() - hang["asked"] >= FLIGHT_WAIT)):  # fmt: skip
-            if not hang["dumps"] and hang["done"] | gone >= {lk.name for lk in links} and rearmed < 3:
-                # no rank alive on any host, and every host answered: the ranks have ended and
-                # their launchers are ending (torchrun's exit barrier), which is no training hang
+            if not S.running(hang["dumps"]) and hang["done"] | gone >= {lk.name for lk in links} and rearmed < 3:
+                # no rank runs Python on any host, and every host answered: the ranks have ended (or
+                # are in the interpreter's teardown) and their launchers are ending (torchrun's exit
+                # barrier), which is no training hang
                 rearmed += 1
                 log("no rank is alive on any host (their launchers are ending): not a hang; watching on")
                 hang.clear()

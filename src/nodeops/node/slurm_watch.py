@@ -116,7 +116,7 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
     answered with no live rank and ``rearm``: the ranks ended, their launchers are ending."""
     say(f"no progress for {idle:.0f}s (hang timeout {timeout:.0f}s): taking every rank's stack")
     dumps, silent = take_stacks(run_dir, nodes)
-    if rearm and not dumps and not silent:
+    if rearm and not S.running(dumps) and not silent:
         say("no rank is alive on any node (their launchers are ending): not a hang; watching on")
         return False
     report, why, host = S.judge(dumps, timeout, idle, silent, HANG)

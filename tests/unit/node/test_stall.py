@@ -86,6 +86,9 @@ def test_rank_0_writing_a_checkpoint_while_the_others_wait_is_a_quiet_phase() ->
 
 def test_no_rank_alive_is_no_stall_and_a_rank_without_a_stack_is_named() -> None:
     assert ST.verdict([], 8)["kind"] == "none"
+    # ranks whose main thread has no Python frame ended their script (the interpreter's teardown)
+    ending = [dump(0, "node1"), dump(1, "node2")]
+    assert ST.verdict(ending, 8)["kind"] == "none" and S.running(ending) == []
     dumps = [dump(0, "node1", frame("a")), dump(1, "node1", frame("b")), {"rank": 2, "host": "node2",
              "frames": [], "error": "ptrace refused", "method": "py-spy"}]  # fmt: skip
     v = ST.verdict(dumps, 8)
