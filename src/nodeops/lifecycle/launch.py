@@ -11,6 +11,7 @@ from nodeops.errors import UsageError
 from nodeops.lifecycle import gates, load_cluster
 from nodeops.lifecycle.fabric import fabric_gate
 from nodeops.spec.model import ResourceSpec
+from nodeops.transport import ensure_fds
 
 
 def refuse_unsupported(backend: Backend, request: LaunchRequest, spec: ResourceSpec | None = None) -> None:
@@ -45,6 +46,8 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
         for kind, text in backend.dry_run(loaded, request).entries:
             (sink.out if kind == "out" else sink.note)(text)
         return
+    if backend.name == "ssh" and not request.detach:  # refused before a rank starts, not halfway
+        ensure_fds("an attached launch (it follows every host's log)", len(loaded.spec.nodes))
     if request.check and backend.capabilities.preflight:
         gates.setup_gate(loaded, "started", "--no-check skips this comparison",
                          ignore=("shared_path",) if request.sync else ())  # fmt: skip
