@@ -27,7 +27,8 @@ ESTABLISHED = "01"
 
 @dataclass
 class Cost:
-    ctl_fds: int = 0
+    ctl_fds: int = 0  # summed over the processes (RLIMIT_NOFILE is per process: see ctl_fds_max)
+    ctl_fds_max: int = 0  # the most one controller process held
     ctl_procs: int = 0
     ctl_ssh: int = 0  # TCP connections controller -> sandbox sshd
     chief_fds: int = 0
@@ -180,7 +181,9 @@ class Sampler:
         ours = {r[5] for r in _tcp_rows() if r[4] == ESTABLISHED and r[3] == 22
                 and ipaddress.ip_address(r[2]) in self.net}  # fmt: skip
         pids = _tree(self.root) | _holders(ours)
-        self._peak("ctl_fds", sum(_fds(p) for p in pids))
+        fds = [_fds(p) for p in pids]
+        self._peak("ctl_fds", sum(fds))
+        self._peak("ctl_fds_max", max(fds, default=0))
         self._peak("ctl_procs", len(pids))
         self._peak("ctl_ssh", len(ours))
         chief = container_pids(self.chief)

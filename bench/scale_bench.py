@@ -238,9 +238,10 @@ def launch_spec_for(sb: sandbox.Sandbox, work: Path) -> Path:
 
 def say_step(say: sandbox.Say, label: str, s: Step) -> None:
     c = s.cost
-    cost = "" if c is None else (f"; peaks: controller {c.ctl_ssh} ssh, {c.ctl_fds} fds, {c.ctl_procs} procs; chief "
-                                 f"{c.chief_ssh_in} ssh in, {c.chief_ssh_out} out, {c.chief_fds} fds, "
-                                 f"{c.chief_cpu:.1f}s CPU; min MemAvailable {c.mem_avail_min_gib:.1f} GiB")  # fmt: skip
+    cost = "" if c is None else (f"; peaks: controller {c.ctl_ssh} ssh, {c.ctl_fds} fds (at most {c.ctl_fds_max} in "
+                                 f"one process), {c.ctl_procs} procs; chief {c.chief_ssh_in} ssh in, "
+                                 f"{c.chief_ssh_out} out, {c.chief_fds} fds, {c.chief_cpu:.1f}s CPU; "
+                                 f"min MemAvailable {c.mem_avail_min_gib:.1f} GiB")  # fmt: skip
     say(f"{label}: {s.wall:.2f}s wall, {s.cpu:.1f}s controller CPU, rc={s.rc}: {s.tail}{cost}")
 
 
@@ -346,7 +347,14 @@ def failure_row(b: Bench, spec: Path, n: int, say: sandbox.Say) -> Step:
     if failed_at is None:
         proc.kill()
         err = proc.communicate()[1]
-        return Step(0, 0, 1, f"rank {n - 1} never failed: {err.strip().splitlines()[-1:] or ''}")
+        s = Step(
+            0,
+            0,
+            1,
+            f"rank {n - 1} never failed; launch rc={proc.returncode}: {' '.join(err.strip().splitlines()[-2:])}",
+        )
+        say_step(say, "failure", s)
+        return s
     while b.alive(RANK) and time.time() - failed_at < 60:
         time.sleep(0.05)
     latency = time.time() - failed_at
@@ -371,7 +379,7 @@ def run_n(n: int, work: Path, wheels: Path, env_dir: Path | None, args: argparse
         b = Bench(sb, args.subnet, ids, env)
         say(f"MemAvailable {mem_available_gib():.1f} GiB with the sandbox up")
         out = setup_rows(b, spec_for(sb, work, wheels), set(args.skip), say)
-        if env_dir is None:
+        if env_dir is None or n > args.launch_max_nodes:
             out |= dict.fromkeys(LAUNCH_STEPS)
         else:
             out |= launch_rows(b, launch_spec_for(sb, work), work, args.launch_runs, say)
@@ -387,6 +395,8 @@ def main() -> int:
                     help="wheels of torch, numpy, py-spy and uv: the launch rows' shared env")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=SETUP_STEPS, help="setup steps not to run")
     ap.add_argument("--launch-runs", type=int, default=1, help="runs of launch and of pdsh each (median)")
+    ap.add_argument("--launch-max-nodes", type=int, default=32,
+                    help="launch rows only up to this many nodes (a node's torchrun and rank: ~130 MiB)")  # fmt: skip
     ap.add_argument("--name", default=NAME, help="the sandbox's name")
     ap.add_argument("--subnet", default=SUBNET, help="the sandbox's subnet")
     ap.add_argument("--json-out", type=Path, help="also write every step's figures here")
@@ -438,7 +448,7 @@ def print_times(results: dict[int, dict[str, Step | None]]) -> None:
 
 def print_costs(results: dict[int, dict[str, Step | None]]) -> None:
     print("\ncost per node (peaks during the step / N; CPU seconds / N):")
-    cols = ("ctl CPU", "ctl ssh", "ctl fds", "chief CPU", "chief ssh in", "chief ssh out", "chief fds")
+    cols = ("ctl CPU", "ctl ssh", "ctl fds", "ctl fds/proc", "chief CPU", "chief ssh in", "chief ssh out", "chief fds")
     print(f"{'step':14} {'N':>3} " + " ".join(f"{c:>13}" for c in cols))
     for step in SETUP_STEPS + LAUNCH_STEPS:
         for n, r in results.items():
@@ -446,7 +456,16 @@ def print_costs(results: dict[int, dict[str, Step | None]]) -> None:
             if s is None or s.cost is None:
                 continue
             c = s.cost
-            vals = (s.cpu, c.ctl_ssh, c.ctl_fds, c.chief_cpu, c.chief_ssh_in, c.chief_ssh_out, c.chief_fds)
+            vals = (
+                s.cpu,
+                c.ctl_ssh,
+                c.ctl_fds,
+                c.ctl_fds_max,
+                c.chief_cpu,
+                c.chief_ssh_in,
+                c.chief_ssh_out,
+                c.chief_fds,
+            )
             print(f"{step:14} {n:3} " + " ".join(f"{v / n:13.2f}" for v in vals))
 
 
