@@ -510,6 +510,8 @@ def up(
                 continue
             cname = container_name(name, i)
             say(f"starting {cname} at {address}")
+            # counted before `docker run`: one interrupted there (Ctrl-C, SIGTERM) is removed too
+            created_containers.append(cname)
             docker(
                 "run", "-d", "--init", "--name", cname, "--hostname", host,
                 "--network", net, "--ip", address, "--network-alias", host,
@@ -517,7 +519,6 @@ def up(
                 "--cap-add", "NET_ADMIN", "--shm-size", "1g", *extra,
                 tag, *NODE_CMD,
             )  # fmt: skip
-            created_containers.append(cname)
         sdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         (Path.home() / ".ssh").mkdir(mode=0o700, exist_ok=True)  # ssh_config's ControlPath lives there
         os.chmod(sdir, 0o700)
