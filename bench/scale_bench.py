@@ -294,7 +294,7 @@ def launch_rows(b: Bench, spec: Path, work: Path, runs: int, say: sandbox.Say) -
             s = b.timed(argv, env)
             tries[label].append(s)
             say_step(say, f"{label} (run {i + 1})", s)
-    out: dict[str, Step | None] = {k: sorted(v, key=lambda s: s.wall)[len(v) // 2] for k, v in tries.items()}
+    out: dict[str, Step | None] = {k: sorted(v, key=lambda s: s.wall)[(len(v) - 1) // 2] for k, v in tries.items()}
     out["stacks"] = stacks_row(b, spec, n, say)
     out["stop"] = stop_row(b, spec, say)
     out["failure"] = failure_row(b, spec, n, say)
@@ -394,7 +394,7 @@ def main() -> int:
     ap.add_argument("--torch-wheelhouse", type=Path, default=WHEELS,
                     help="wheels of torch, numpy, py-spy and uv: the launch rows' shared env")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=SETUP_STEPS, help="setup steps not to run")
-    ap.add_argument("--launch-runs", type=int, default=1, help="runs of launch and of pdsh each (median)")
+    ap.add_argument("--launch-runs", type=int, default=1, help="runs of launch and of pdsh each (lower median)")
     ap.add_argument("--launch-max-nodes", type=int, default=32,
                     help="launch rows only up to this many nodes (a node's torchrun and rank: ~130 MiB)")  # fmt: skip
     ap.add_argument("--name", default=NAME, help="the sandbox's name")
