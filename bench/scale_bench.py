@@ -10,8 +10,23 @@ spec is used throughout (a wheelhouse package, a workdir, env vars, ib off):
 - no-op, --full: the same no-op with `setup --full`, which runs every role through Ansible (what
   a no-op setup cost before the fast path), measured in the same run as the baseline;
 - check: `nodeops check` (the full-mesh preflight);
-- launch: `nodeops launch --no-check` of a trivial script, only with --torch-wheelhouse (torch
-  must be installed for torchrun; without it the row says "not run").
+- the launch rows, from one torch env shared read-only by every node (built once from the torch
+  wheelhouse in a throwaway node container, bind-mounted at /opt/nodeops-shared/env; the spec
+  points at it with the ssh group's `python_venv`, as a cluster's shared filesystem would hold
+  it), so no node installs torch:
+  - launch, pdsh: the same torchrun command fanned out with `pdsh -R ssh -f N` (DeepSpeed's PDSH
+    runner's way: same ssh_config, env file and env), measured in the same run, alternating;
+  - launch: `nodeops launch --no-check` of a trivial gloo job (init, barrier, exit);
+  - stacks: `nodeops stacks --json` of a detached run whose every rank is alive (counted in the
+    containers), and how many ranks it returned;
+  - stop: `nodeops stop`, then how long until no process of the run is left on any node, read
+    from the host's /proc by the containers' cgroups, and confirmed with `docker exec ps`;
+  - failure: rank N-1 exits 1 mid-training; seconds until no rank is left anywhere.
+  Without a torch wheelhouse (.cache/wheelhouse-torch, or --torch-wheelhouse) they are "not run".
+
+Each nodeops step is sampled (bench/_cost.py) for what it costs per node: the controller's ssh
+connections into the sandbox and open files (its process tree and its ssh masters), the chief's
+(node1's container) open files, ssh connections and CPU seconds.
 
 Each step reports wall seconds and the controller's own CPU seconds (user+sys of every
 process the step started on this machine, ansible and ssh included) per node. The nodes
@@ -23,14 +38,19 @@ controller CPU per node is what grows on a real cluster. Ratios are printed agai
 - cold setup at 8 nodes <= 2x the 1-node time;
 - no-op setup <= 1.25x check at every N (a setup with nothing to do costs about one preflight).
 
-    python bench/scale_bench.py [--nodes 1 4 8 16 32] [--torch-wheelhouse DIR] [--keep]
+    python bench/scale_bench.py [--nodes 1 4 8 16 32] [--torch-wheelhouse DIR] [--skip STEP ...]
+        [--name scale] [--subnet 10.218.0.0/24] [--json-out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import dataclasses
+import hashlib
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -44,12 +64,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from _bench import WHEELS  # noqa: E402  (bench/, beside this script)
+from _cost import Cost, Sampler, container_cmdlines, mem_available_gib  # noqa: E402
+
 from nodeops.sandbox import cluster as sandbox  # noqa: E402
+from nodeops.spec.loading import load_spec  # noqa: E402
 
 NAME = "scale"
 SUBNET = "10.218.0.0/24"
 NODEOPS = [sys.executable, "-m", "nodeops"]
 FULL = "no-op, --full"
+SETUP_STEPS = ["cold setup", "no-op setup", FULL, "check"]
+LAUNCH_STEPS = ["launch, pdsh", "launch", "stacks", "stop", "failure"]
+SHARED = "/opt/nodeops-shared"  # where every node sees the shared env (read-only)
+TRIVIAL = "import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n"
+IDLE = "import time\nimport torch.distributed as d\nd.init_process_group('gloo')\nwhile True:\n    time.sleep(0.5)\n"
+FAIL = """import sys, time
+import torch, torch.distributed as d
+d.init_process_group('gloo')
+t = torch.ones(1)
+for step in range(100000):
+    if d.get_rank() == int(sys.argv[1]) and step == 10:
+        open(sys.argv[2], 'w').write(repr(time.time()))
+        sys.exit(1)
+    d.all_reduce(t)
+    time.sleep(0.05)
+"""
+# every process of a run on a node: the ranks, torchrun, nodeops' agents, supervisor, guards, ssh
+LEFTOVER = re.compile(r"agent\.py|supervisor\.py|watch\.py|wait\.sh|follow\.sh|kill\.sh|job\.sh|tail -n|"
+                      r"grep -m1|fail\.py|idle\.py|trivial\.py|torch\.distributed\.run|(^|\s)ssh\s")  # fmt: skip
+RANK = re.compile(r"python3? (-u )?(fail|idle)\.py")
 
 
 @dataclass
@@ -60,17 +104,52 @@ class Step:
     tail: str
     stdout: str = ""
     stderr: str = ""
+    cost: Cost | None = None
 
 
-def timed(argv: list[str], env: dict[str, str]) -> Step:
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    t0 = time.perf_counter()
-    p = subprocess.run(argv, capture_output=True, text=True, env=env, check=False)
-    wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    lines = (p.stdout + p.stderr).strip().splitlines()
-    return Step(wall, cpu, p.returncode, lines[-1] if lines else "", p.stdout, p.stderr)
+@dataclass
+class Bench:
+    """One sandbox's bench context: what every step needs to run and be sampled."""
+
+    sb: sandbox.Sandbox
+    subnet: str
+    ids: list[str]  # the nodes' container ids, node1 (the chief) first
+    env: dict[str, str]
+
+    def timed(self, argv: list[str], env: dict[str, str] | None = None) -> Step:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        t0 = time.perf_counter()
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or self.env)
+        with Sampler(p.pid, self.subnet, self.ids[0]) as sampler:
+            out, err = p.communicate()
+        wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        lines = (out + err).strip().splitlines()
+        return Step(wall, cpu, p.returncode, lines[-1] if lines else "", out, err, sampler.cost)
+
+    def alive(self, pattern: re.Pattern[str]) -> int:
+        """Processes matching ``pattern`` on every node, read from the host (cheap enough to poll)."""
+        return sum(1 for i in self.ids for line in container_cmdlines(i) if pattern.search(line))
+
+    def left_by_ps(self) -> dict[str, int]:
+        """The run's processes still on each node, as `docker exec NODE ps -eo args` lists them."""
+
+        def one(n: sandbox.NodeInfo) -> tuple[str, int]:
+            ps = subprocess.run(["docker", "exec", n.container, "ps", "-eo", "args"], capture_output=True,
+                                text=True, check=False).stdout.splitlines()  # fmt: skip
+            return n.name, sum(1 for line in ps if LEFTOVER.search(line))
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            return {k: v for k, v in pool.map(one, self.sb.nodes) if v}
+
+    def wait_for(self, pattern: re.Pattern[str], count: int, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.alive(pattern) >= count:
+                return True
+            time.sleep(0.2)
+        return False
 
 
 def check_verdict(step: Step, torch: bool) -> tuple[int, str]:
@@ -86,87 +165,274 @@ def check_verdict(step: Step, torch: bool) -> tuple[int, str]:
     return (1 if other else 0), f"failing rows: {text}" + ("" if torch else " (torch is expected: not installed)")
 
 
-def make_project(work: Path, torch_wheelhouse: Path | None) -> Path:
+def make_project(work: Path) -> Path:
     (work / "project").mkdir()
     (work / "project" / "train.py").write_text(
         "import os\nprint('rank', os.environ.get('RANK'), 'of', os.environ.get('WORLD_SIZE'))\n"
     )
+    for name, text in (("trivial.py", TRIVIAL), ("idle.py", IDLE), ("fail.py", FAIL)):
+        (work / "project" / name).write_text(text)
     (work / "project" / "lib").mkdir()
     for i in range(20):
         (work / "project" / "lib" / f"m{i}.py").write_text(f"X = {i}\n" * 50)
-    if torch_wheelhouse is not None:
-        return torch_wheelhouse
     make_wheel = ROOT / "roles/python_env/molecule/default/make_wheel.py"
     subprocess.run([sys.executable, str(make_wheel), str(work / "wheels")], check=True, capture_output=True)
     return work / "wheels"
 
 
-def spec_for(sb: sandbox.Sandbox, work: Path, wheels: Path, torch: bool) -> Path:
-    pkgs = "[torch]" if torch else "[nodeops-probe==1.0]"
+def shared_env(torch_wheels: Path, say: sandbox.Say) -> Path:
+    """A venv with torch, numpy and py-spy, built once (cached in .cache/, keyed by the wheels) in
+    a throwaway node container, so it runs on the nodes' Python; the dir holding it is what
+    every node mounts read-only at SHARED."""
+    key = hashlib.sha256(" ".join(sorted(p.name for p in torch_wheels.glob("*.whl"))).encode()).hexdigest()[:12]
+    host_dir = ROOT / ".cache" / f"shared-env-{key}"
+    if (host_dir / "complete").is_file():
+        return host_dir
+    image = sandbox.ensure_image(None, "auto", say)
+    say(f"building the shared torch env in {host_dir} (once)")
+    host_dir.mkdir(parents=True, exist_ok=True)
+    script = (
+        f"set -e; rm -rf {SHARED}/env; python3 -m venv --without-pip {SHARED}/env; "
+        'python3 -c \'import glob, zipfile; z = zipfile.ZipFile(glob.glob("/wheels/uv-*.whl")[0]); '
+        'n = [x for x in z.namelist() if x.endswith("/scripts/uv")][0]; open("/tmp/uv", "wb").write(z.read(n))\'; '
+        f"chmod +x /tmp/uv; /tmp/uv pip install -q --compile-bytecode --python {SHARED}/env/bin/python "
+        "--no-index --find-links /wheels 'torch==2.13.0' numpy py-spy; "
+        f"{SHARED}/env/bin/python -c 'import torch'; touch {SHARED}/complete"
+    )
+    builder = f"nodeops-scale-env-{os.getpid()}"
+    try:
+        sandbox.docker("run", "--name", builder, "--label", f"{sandbox.LABEL}.build=1",
+                       "-v", f"{host_dir}:{SHARED}", "-v", f"{torch_wheels}:/wheels:ro",
+                       image, "sh", "-c", script, timeout=900)  # fmt: skip
+    finally:
+        sandbox.docker("rm", "-f", builder, check=False)
+    return host_dir
+
+
+def spec_for(sb: sandbox.Sandbox, work: Path, wheels: Path) -> Path:
     spec = work / f"cluster-{len(sb.nodes)}.yaml"
     spec.write_text(sb.spec_path.read_text() + (
         "env: {OMP_NUM_THREADS: 1}\n"
         # py_spy: false: the bench's wheelhouse has no py-spy, and a tool setup could not install
         # is tried again by every setup (python_env runs): the bench measures a converged cluster
-        f"python: {{packages: {pkgs}, wheelhouse: {wheels}, py_spy: false}}\n"
+        f"python: {{packages: [nodeops-probe==1.0], wheelhouse: {wheels}, py_spy: false}}\n"
         f"workdir: {{path: /srv/scale, source: {work / 'project'}}}\n"
         "network: {ib: 'off'}\n"
     ))  # fmt: skip
     return spec
 
 
-def run_n(n: int, work: Path, wheels: Path, torch: bool, env: dict[str, str]) -> dict[str, Step | None]:
-    say = lambda m: print(f"==> [{n} node(s)] {m}", flush=True)  # noqa: E731
-    sb = sandbox.up(name=NAME, n=n, subnet=SUBNET, say=say)
+def launch_spec_for(sb: sandbox.Sandbox, work: Path) -> Path:
+    """The same cluster and workdir, its Python the shared env (the ssh group's python_venv)."""
+    spec = work / f"cluster-{len(sb.nodes)}-launch.yaml"
+    text = sb.spec_path.read_text().replace(
+        "\n  sandbox:\n", f"\n  sandbox:\n    python_venv: source {SHARED}/env/bin/activate\n"
+    )
+    spec.write_text(text + (
+        "env: {OMP_NUM_THREADS: 1}\n"
+        f"workdir: {{path: /srv/scale, source: {work / 'project'}}}\n"
+        "network: {ib: 'off'}\n"
+    ))  # fmt: skip
+    return spec
+
+
+def say_step(say: sandbox.Say, label: str, s: Step) -> None:
+    c = s.cost
+    cost = "" if c is None else (f"; peaks: controller {c.ctl_ssh} ssh, {c.ctl_fds} fds (at most {c.ctl_fds_max} in "
+                                 f"one process), {c.ctl_procs} procs; chief {c.chief_ssh_in} ssh in, "
+                                 f"{c.chief_ssh_out} out, {c.chief_fds} fds, {c.chief_cpu:.1f}s CPU; "
+                                 f"min MemAvailable {c.mem_avail_min_gib:.1f} GiB")  # fmt: skip
+    say(f"{label}: {s.wall:.2f}s wall, {s.cpu:.1f}s controller CPU, rc={s.rc}: {s.tail}{cost}")
+
+
+def setup_rows(b: Bench, spec: Path, skip: set[str], say: sandbox.Say) -> dict[str, Step | None]:
+    out: dict[str, Step | None] = {}
+    steps = [
+        ("cold setup", [*NODEOPS, "setup", str(spec)]),
+        ("no-op setup", [*NODEOPS, "setup", str(spec)]),
+        (FULL, [*NODEOPS, "setup", str(spec), "--full"]),
+        ("check", [*NODEOPS, "check", str(spec), "--json"]),
+    ]
+    for label, argv in steps:
+        if label in skip:
+            out[label] = None
+            continue
+        say(label)
+        out[label] = s = b.timed(argv)
+        if label == "check":
+            s.rc, s.tail = check_verdict(s, False)
+        say_step(say, label, s)
+        # why a setup ran Ansible where the fast path had nothing to do, and the probe's notes
+        for line in s.stderr.splitlines() if label != "check" else ():
+            if line.startswith(("note:", "warning:", "    ")) and "setup --full" not in line:
+                say(f"  {line.strip()}")
+    return out
+
+
+def pdsh_argv(b: Bench, spec: Path, work: Path) -> tuple[list[str], dict[str, str]]:
+    """The launch's torchrun command on every node at once with pdsh, as DeepSpeed's PDSH runner
+    does: the same ssh_config (strict host keys, ControlMaster), env file and shared env."""
+    n = len(b.sb.nodes)
+    cfg = work / "ssh_config"
+    cfg.write_text(b.sb.ssh_config.read_text())
+    env = {**b.env, "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS": f"-F {cfg} -x %h"}
+    remote = (
+        f"cd /srv/scale && . ~/.nodeops/{load_spec(spec).cluster_name}/env.sh && . {SHARED}/env/bin/activate && "
+        f"python3 -m torch.distributed.run --nnodes {n} --nproc-per-node 1 --node-rank %n "
+        f"--master-addr {b.sb.nodes[0].address} --master-port 29500 trivial.py"
+    )
+    return ["pdsh", "-S", "-f", str(n), "-w", ",".join(nd.name for nd in b.sb.nodes), remote], env
+
+
+def launch_rows(b: Bench, spec: Path, work: Path, runs: int, say: sandbox.Say) -> dict[str, Step | None]:
+    n = len(b.sb.nodes)
+    pdsh, pdsh_env = pdsh_argv(b, spec, work)
+    launch = [*NODEOPS, "launch", str(spec), "--no-check", "--", "trivial.py"]
+    tries: dict[str, list[Step]] = {"launch, pdsh": [], "launch": []}
+    for i in range(runs):  # alternating, so both see the same page cache and ssh masters
+        for label, argv, env in (("launch, pdsh", pdsh, pdsh_env), ("launch", launch, None)):
+            s = b.timed(argv, env)
+            tries[label].append(s)
+            say_step(say, f"{label} (run {i + 1})", s)
+    out: dict[str, Step | None] = {k: sorted(v, key=lambda s: s.wall)[(len(v) - 1) // 2] for k, v in tries.items()}
+    out["stacks"] = stacks_row(b, spec, n, say)
+    out["stop"] = stop_row(b, spec, say)
+    out["failure"] = failure_row(b, spec, n, say)
+    return out
+
+
+def stacks_row(b: Bench, spec: Path, n: int, say: sandbox.Say) -> Step:
+    start = b.timed([*NODEOPS, "launch", str(spec), "--no-check", "--detach", "--", "idle.py"])
+    if start.rc != 0 or not b.wait_for(RANK, n, 300):
+        return dataclasses.replace(start, rc=start.rc or 1, tail=f"the idle run never had {n} ranks: {start.tail}")
+    s = b.timed([*NODEOPS, "stacks", str(spec), "--json"])
     try:
-        spec = spec_for(sb, work, wheels, torch)
-        out: dict[str, Step | None] = {}
-        steps = [
-            ("cold setup", [*NODEOPS, "setup", str(spec)], env),
-            ("no-op setup", [*NODEOPS, "setup", str(spec)], env),
-            (FULL, [*NODEOPS, "setup", str(spec), "--full"], env),
-            ("check", [*NODEOPS, "check", str(spec), "--json"], env),
-        ]
-        for label, argv, step_env in steps:
-            say(label)
-            out[label] = s = timed(argv, step_env)
-            if label == "check":
-                s.rc, s.tail = check_verdict(s, torch)
-            say(f"{label}: {s.wall:.1f}s wall, {s.cpu:.1f}s controller CPU, rc={s.rc}: {s.tail}")
-            # why a setup ran Ansible where the fast path had nothing to do, and the probe's notes
-            for line in s.stderr.splitlines() if label != "check" else ():
-                if line.startswith(("note:", "warning:", "    ")) and "setup --full" not in line:
-                    say(f"  {line.strip()}")
-        if torch:
-            say("launch")
-            out["launch"] = s = timed([*NODEOPS, "launch", str(spec), "--no-check", "--", "train.py"], env)
-            say(f"launch: {s.wall:.1f}s wall, {s.cpu:.1f}s controller CPU, rc={s.rc}: {s.tail}")
+        doc = json.loads(s.stdout)
+        ranks = len(doc.get("ranks") or []) or sum(len(g.get("ranks", [])) for g in doc.get("groups", []))
+        s.tail = f"{ranks} of {n} ranks' stacks"
+        s.rc = s.rc or (0 if ranks == n else 1)
+    except json.JSONDecodeError:
+        s.rc = s.rc or 1
+    say_step(say, "stacks", s)
+    return s
+
+
+def stop_row(b: Bench, spec: Path, say: sandbox.Say) -> Step:
+    t0 = time.monotonic()
+    s = b.timed([*NODEOPS, "stop", str(spec)])
+    while b.alive(LEFTOVER) and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    gone = time.monotonic() - t0
+    left = b.left_by_ps()
+    s.tail = f"nothing left {gone:.2f}s after stop began; docker exec ps: {left or 'nothing'} left"
+    s.rc = s.rc or (1 if left else 0)
+    say_step(say, "stop", s)
+    s.wall = gone
+    return s
+
+
+def failure_row(b: Bench, spec: Path, n: int, say: sandbox.Say) -> Step:
+    """Rank n-1 exits 1 at its 10th step; seconds from its failure until no rank is left anywhere."""
+    marker = f"/tmp/nodeops-scale-failed-{time.time_ns()}"
+    last = b.sb.nodes[-1]
+    argv = [*NODEOPS, "launch", str(spec), "--no-check", "--", "fail.py", str(n - 1), marker]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=b.env)
+    failed_at = None
+    deadline = time.monotonic() + 600
+    while failed_at is None and time.monotonic() < deadline and proc.poll() is None:
+        got = subprocess.run(["docker", "exec", last.container, "cat", marker], capture_output=True, text=True,
+                             check=False).stdout.strip()  # fmt: skip
+        failed_at = float(got) if got else None
+        time.sleep(0.1)
+    if failed_at is None:
+        proc.kill()
+        err = proc.communicate()[1]
+        s = Step(
+            0,
+            0,
+            1,
+            f"rank {n - 1} never failed; launch rc={proc.returncode}: {' '.join(err.strip().splitlines()[-2:])}",
+        )
+        say_step(say, "failure", s)
+        return s
+    while b.alive(RANK) and time.time() - failed_at < 60:
+        time.sleep(0.05)
+    latency = time.time() - failed_at
+    err = proc.communicate(timeout=120)[1]
+    subprocess.run(["docker", "exec", last.container, "rm", "-f", marker], capture_output=True, check=False)
+    left = b.left_by_ps()
+    tail = (
+        f"no rank left {latency:.2f}s after rank {n - 1} failed; launch rc={proc.returncode}; left: {left or 'nothing'}"
+    )
+    s = Step(latency, 0, 0 if proc.returncode != 0 and not left and latency < 60 else 1, tail, stderr=err)
+    say_step(say, "failure", s)
+    return s
+
+
+def run_n(n: int, work: Path, wheels: Path, env_dir: Path | None, args: argparse.Namespace,
+          env: dict[str, str]) -> dict[str, Step | None]:  # fmt: skip
+    say = lambda m: print(f"==> [{n} node(s)] {m}", flush=True)  # noqa: E731
+    shared = [(env_dir, SHARED)] if env_dir is not None else []
+    sb = sandbox.up(name=args.name, n=n, subnet=args.subnet, say=say, shared=shared)
+    try:
+        ids = sandbox.docker("inspect", "--format", "{{.Id}}", *(nd.container for nd in sb.nodes)).split()
+        b = Bench(sb, args.subnet, ids, env)
+        say(f"MemAvailable {mem_available_gib():.1f} GiB with the sandbox up")
+        out = setup_rows(b, spec_for(sb, work, wheels), set(args.skip), say)
+        if env_dir is None or n > args.launch_max_nodes:
+            out |= dict.fromkeys(LAUNCH_STEPS)
         else:
-            out["launch"] = None
+            out |= launch_rows(b, launch_spec_for(sb, work), work, args.launch_runs, say)
         return out
     finally:
-        sandbox.down(NAME)
+        sandbox.down(args.name)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 8, 16, 32])
-    ap.add_argument("--torch-wheelhouse", type=Path, help="a wheelhouse holding torch: also time launch")
+    ap.add_argument("--torch-wheelhouse", type=Path, default=WHEELS,
+                    help="wheels of torch, numpy, py-spy and uv: the launch rows' shared env")  # fmt: skip
+    ap.add_argument("--skip", nargs="*", default=[], choices=SETUP_STEPS, help="setup steps not to run")
+    ap.add_argument("--launch-runs", type=int, default=1, help="runs of launch and of pdsh each (lower median)")
+    ap.add_argument("--launch-max-nodes", type=int, default=32,
+                    help="launch rows only up to this many nodes (a node's torchrun and rank: ~130 MiB)")  # fmt: skip
+    ap.add_argument("--name", default=NAME, help="the sandbox's name")
+    ap.add_argument("--subnet", default=SUBNET, help="the sandbox's subnet")
+    ap.add_argument("--json-out", type=Path, help="also write every step's figures here")
     args = ap.parse_args()
     # SIGTERM ends like Ctrl-C: the sandbox and the temp dir (the home included) are removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    say = lambda m: print(f"==> {m}", flush=True)  # noqa: E731
+    env_dir = None
+    if list(args.torch_wheelhouse.glob("torch-2.13.0*.whl")) and list(args.torch_wheelhouse.glob("uv-*.whl")):
+        env_dir = shared_env(args.torch_wheelhouse.resolve(), say)
+        # into the page cache before the first launch, so launch and pdsh both start warm
+        subprocess.run(["find", str(env_dir), "-type", "f", "-exec", "cat", "{}", "+"], stdout=subprocess.DEVNULL,
+                       check=False)  # fmt: skip
+    else:
+        say(f"no torch-2.13.0 and uv wheels in {args.torch_wheelhouse}: the launch rows are not run")
     results: dict[int, dict[str, Step | None]] = {}
     with tempfile.TemporaryDirectory(prefix="nodeops-scale-") as tmp:
         work = Path(tmp)
         env = dict(os.environ, NODEOPS_HOME=str(work / "home"))  # its own: the user's setup records stay out
-        wheels = make_project(work, args.torch_wheelhouse)
+        wheels = make_project(work)
         for n in args.nodes:
-            results[n] = run_n(n, work, wheels, args.torch_wheelhouse is not None, env)
-    steps = ["cold setup", "no-op setup", FULL, "check", "launch"]
+            results[n] = run_n(n, work, wheels, env_dir, args, env)
+    if args.json_out:
+        doc = {n: {k: (None if v is None else {**dataclasses.asdict(v), "stdout": "", "stderr": ""})
+                   for k, v in r.items()} for n, r in results.items()}  # fmt: skip
+        args.json_out.write_text(json.dumps(doc, indent=1))
+    print_times(results)
+    print_costs(results)
+    return print_goals(results)
+
+
+def print_times(results: dict[int, dict[str, Step | None]]) -> None:
     base_n = min(results)
     print(f"\nscale, nodes {' '.join(map(str, results))} (wall s / controller CPU s per node / wall vs {base_n} node):")
     print(f"{'step':18} " + " ".join(f"{f'N={n}':>22}" for n in results))
-    for step in steps:
+    for step in SETUP_STEPS + LAUNCH_STEPS:
         cells = []
         for n, r in results.items():
             s, base = r.get(step), results[base_n].get(step)
@@ -175,9 +441,36 @@ def main() -> int:
                 continue
             bad = "" if s.rc == 0 else "!"
             ratio = s.wall / base.wall if base is not None and base.wall else float("nan")
-            cells.append(f"{s.wall:7.1f}{bad} {s.cpu / n:6.2f} {ratio:5.2f}x")
+            cells.append(f"{s.wall:7.2f}{bad} {s.cpu / n:6.2f} {ratio:5.2f}x")
         print(f"{step:18} " + " ".join(cells))
-    print("\ngoals (issues 12 and 29):")
+    print("  stop: seconds until nothing of the run is left on any node; failure: until no rank is left")
+
+
+def print_costs(results: dict[int, dict[str, Step | None]]) -> None:
+    print("\ncost per node (peaks during the step / N; CPU seconds / N):")
+    cols = ("ctl CPU", "ctl ssh", "ctl fds", "ctl fds/proc", "chief CPU", "chief ssh in", "chief ssh out", "chief fds")
+    print(f"{'step':14} {'N':>3} " + " ".join(f"{c:>13}" for c in cols))
+    for step in SETUP_STEPS + LAUNCH_STEPS:
+        for n, r in results.items():
+            s = r.get(step)
+            if s is None or s.cost is None:
+                continue
+            c = s.cost
+            vals = (
+                s.cpu,
+                c.ctl_ssh,
+                c.ctl_fds,
+                c.ctl_fds_max,
+                c.chief_cpu,
+                c.chief_ssh_in,
+                c.chief_ssh_out,
+                c.chief_fds,
+            )
+            print(f"{step:14} {n:3} " + " ".join(f"{v / n:13.2f}" for v in vals))
+
+
+def print_goals(results: dict[int, dict[str, Step | None]]) -> int:
+    print("\ngoals (issues 12, 29 and 43):")
 
     def wall(n: int, step: str) -> float | None:
         s = results.get(n, {}).get(step)
@@ -202,6 +495,11 @@ def main() -> int:
         full = wall(n, FULL)
         if noop and full:
             print(f"  no-op setup vs --full (the Ansible no-op), {n} node(s): {noop / full:.2f}x")
+        launch, pdsh = wall(n, "launch"), wall(n, "launch, pdsh")
+        goal(f"launch vs pdsh, {n} node(s)", launch / pdsh if launch and pdsh else None, 1.2, "x")
+        goal(f"stacks of every rank, {n} node(s)", wall(n, "stacks"), 2, " s")
+        goal(f"stop: nothing left, {n} node(s)", wall(n, "stop"), 3, " s")
+        goal(f"a failure stops every rank, {n} node(s)", wall(n, "failure"), 3, " s")
     failed = [(n, s) for n, r in results.items() for s, v in r.items() if v is not None and v.rc != 0]
     for n, s in failed:
         print(f"  FAILED: {s} at {n} node(s): {results[n][s].tail}")  # type: ignore[union-attr]

@@ -36,6 +36,10 @@ class NodeopsError(Exception):
     exit_code = EXIT_FAILURE
 
 
+class ControllerLimitError(NodeopsError):
+    """This machine's own limit (open files, processes) is too low for the fan-out a command needs."""
+
+
 class SandboxError(NodeopsError):
     """The local sandbox cluster (Docker) could not be built, started or reached."""
 

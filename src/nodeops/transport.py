@@ -4,22 +4,104 @@ that reaches a host through a cluster's generated ssh_config."""
 from __future__ import annotations
 
 import concurrent.futures
+import errno
+import resource
 import socket
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from nodeops.errors import ControllerLimitError
 from nodeops.node import protocol as P
 
 T = TypeVar("T")
 K = TypeVar("K", bound=Hashable)
 
 
+# What one ssh child in flight costs this process: the read ends of its stdout and stderr pipes,
+# and the pipe ends Popen holds while it starts the child. The rest of the process (logs, the
+# spec, ssh_config, Python's own) stays under FDS_RESERVED.
+FDS_PER_SSH = 3
+FDS_RESERVED = 64
+FIX = "raise it in this shell (e.g. `ulimit -n 65536`; above the hard limit: nofile in /etc/security/limits.conf)"
+
+
+def fds_for(streams: int) -> int:
+    """Open files this process needs to hold ``streams`` ssh children at once."""
+    return FDS_RESERVED + FDS_PER_SSH * streams
+
+
+def width_for_fds(n_hosts: int, width: int | None, soft: int) -> int:
+    """How many hosts a fan-out may have in flight under the soft open-files limit ``soft``: all
+    (or ``width``) when it fits, else as many as fit (the rest wait their turn); 0 when not one fits."""
+    wanted = max(1, min(n_hosts, width or n_hosts))
+    return max(0, min(wanted, (soft - FDS_RESERVED) // FDS_PER_SSH))
+
+
+def fd_limit(needed: int) -> int:
+    """This process's soft open-files limit (RLIMIT_NOFILE), first raised towards ``needed`` (up to
+    the hard limit) when it is lower; children inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft >= needed:
+        return soft
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft
+    return target
+
+
+def fd_refusal(what: str, streams: int, soft: int) -> str:
+    return (f"{what} needs one ssh per host at once ({streams} hosts, about {fds_for(streams)} open files), "
+            f"but this process may open {soft} (RLIMIT_NOFILE, the open-files limit): {FIX}")  # fmt: skip
+
+
+def ensure_fds(what: str, streams: int) -> None:
+    """Refuse, naming the limit and the fix, a step that must hold ``streams`` ssh children at once
+    (they live for the whole step, so waiting for a free slot would never end) when this process
+    cannot open that many files, even after raising its soft limit to the hard one."""
+    soft = fd_limit(fds_for(streams))
+    if soft < fds_for(streams):
+        raise ControllerLimitError(fd_refusal(what, streams, soft))
+
+
+def limit_error(e: BaseException) -> ControllerLimitError | None:
+    """The controller's own limit behind ``e`` (too many open files, no more processes or threads)."""
+    if isinstance(e, OSError) and e.errno in (errno.EMFILE, errno.ENFILE):
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return ControllerLimitError(f"this machine ran out of open files ({e.strerror}; RLIMIT_NOFILE {soft}): {FIX}")
+    if (isinstance(e, OSError) and e.errno == errno.EAGAIN) or (
+        isinstance(e, RuntimeError) and "can't start new thread" in str(e)
+    ):
+        soft = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+        return ControllerLimitError(
+            f"this machine cannot start another process or thread ({e}; RLIMIT_NPROC {soft}): raise it in this "
+            "shell (e.g. `ulimit -u 65536`), or run on fewer hosts at once (--limit)"
+        )
+    return None
+
+
 def fan_out(hosts: Sequence[K], fn: Callable[[K], T], width: int | None = None) -> dict[K, T]:
     """fn(host) on every host at once (one thread each, as pdsh does, or at most ``width``);
-    host -> result, in order. Any hashable key works (a run id, a (host, config) pair)."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(len(hosts), width or len(hosts)))) as pool:
-        return dict(zip(hosts, pool.map(fn, hosts), strict=True))
+    host -> result, in order. Any hashable key works (a run id, a (host, config) pair).
+
+    fn runs one short ssh (or a socket) per host, so a fan-out wider than this process's
+    open-files limit allows is narrowed to what fits (the rest wait their turn), never left to
+    fail halfway; a limit still hit is raised as ControllerLimitError, naming it and the fix."""
+    n = max(1, min(len(hosts), width or len(hosts)))
+    soft = fd_limit(fds_for(n))
+    allowed = width_for_fds(len(hosts), width, soft)
+    if allowed < 1:
+        raise ControllerLimitError(fd_refusal("this step", n, soft))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=allowed) as pool:
+            return dict(zip(hosts, pool.map(fn, hosts), strict=True))
+    except (OSError, RuntimeError) as e:
+        limit = limit_error(e)
+        if limit is None:
+            raise
+        raise limit from e
 
 
 def ssh_argv(ssh_config: Path, host: str, *command: str) -> list[str]:

@@ -36,7 +36,7 @@ from nodeops.quoting import sh_word
 from nodeops.setup import workdir
 from nodeops.setup.render import activation, ssh_config
 from nodeops.spec.model import LoadedSpec, ResourceSpec
-from nodeops.transport import last_line, ssh_argv
+from nodeops.transport import fds_for, last_line, ssh_argv
 
 BRIDGE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "vxlan", "lxc")
 CLOCK_WARN_S = 1.0
@@ -182,9 +182,26 @@ def evaluate(spec: ResourceSpec, result: dict[str, Any], *, fast: bool = False,
         if h in facts_by_host:
             rows += _node_rows(spec, node, h, facts_by_host[h], listeners, fast, values, auto_gpus)
     rows += parity_rows(chief, facts_by_host, values, fast)
+    rows += chief_fd_rows(chief, facts_by_host.get(chief), len(hosts))
     order = {h: i for i, h in enumerate(hosts)}
     rows.sort(key=lambda r: order.get(r.host, 0))  # stable: per host, checks in the order made
     return Report(rows, values, hosts)
+
+
+def chief_fd_rows(chief: str, f: dict[str, Any] | None, n_hosts: int) -> list[Row]:
+    """A failing row when the chief's open-files limit, as a job gets it, cannot hold the run's
+    supervisor: it keeps one ssh per node (its guards) for the whole run. Nothing when it can."""
+    if f is None:
+        return []
+    soft = ((f.get("env") or {}).get("nofile") or f.get("nofile") or [0, 0])[0]
+    need = fds_for(n_hosts)
+    if soft >= need:
+        return []
+    why = (
+        f"ulimit -n {soft} on the chief; the run's supervisor holds one ssh per node ({n_hosts} nodes, about "
+        f"{need} open files): raise nofile for the login user (/etc/security/limits.conf) on the chief"
+    )
+    return [Row(chief, "supervisor fds", FAIL, why)]
 
 
 def _node_rows(

@@ -18,6 +18,7 @@ from nodeops.backends.base import Sink
 from nodeops.errors import UsageError
 from nodeops.lifecycle import runs as R
 from nodeops.node import stacks as S
+from nodeops.transport import ensure_fds
 
 LIVE = ("running", "starting")  # a run in these states may still have ranks somewhere
 STACKS_WAIT = 60.0  # seconds `stacks` waits for the ranks of a run that is starting (launch --detach)
@@ -98,6 +99,8 @@ def status(target: str | None, sink: Sink) -> None:
 
 def logs(target: str | None, follow: bool, sink: Sink) -> None:
     job = pick(target, sink)
+    if follow and job.backend == "ssh":
+        ensure_fds("logs -f (it follows every host's log)", len(job.hosts))
     backends.for_job(job).logs(job, follow, sink)
 
 

@@ -12,6 +12,7 @@ from nodeops.lifecycle import gates, load_cluster
 from nodeops.lifecycle.fabric import fabric_gate
 from nodeops.spec import timeouts
 from nodeops.spec.model import ResourceSpec
+from nodeops.transport import ensure_fds
 
 
 def refuse_unsupported(backend: Backend, request: LaunchRequest, spec: ResourceSpec | None = None) -> None:
@@ -48,6 +49,8 @@ def launch(request: LaunchRequest, sink: Sink, group: str | None = None) -> None
         for text in timeouts.table(loaded.spec):
             sink.note(text)
         return
+    if backend.name == "ssh" and not request.detach:  # refused before a rank starts, not halfway
+        ensure_fds("an attached launch (it follows every host's log)", len(loaded.spec.nodes))
     if request.check and backend.capabilities.preflight:
         gates.setup_gate(loaded, "started", "--no-check skips this comparison",
                          ignore=("shared_path",) if request.sync else ())  # fmt: skip

@@ -294,6 +294,18 @@ def _check_args(name: str, n: int, subnet: str) -> list[str]:
     return [str(hosts[FIRST_HOST - 2 + i]) for i in range(1, n + 1)]
 
 
+def shared_mounts(shared: Sequence[tuple[Path, str]]) -> list[str]:
+    """``docker run`` arguments that bind each dir read-only at its path in the nodes."""
+    args: list[str] = []
+    for src, dest in shared:
+        if not src.is_absolute() or not dest.startswith("/") or "," in f"{src}{dest}":
+            raise SandboxError(f"shared dir {src} -> {dest}: give absolute paths without ','")
+        if dest.rstrip("/") in ("", "/home", f"/home/{USER}", "/etc", "/usr", "/tmp"):
+            raise SandboxError(f"shared dir {src} -> {dest}: mount it elsewhere (e.g. /opt/shared), not over {dest}")
+        args += ["--mount", f"type=bind,source={src},target={dest},readonly"]
+    return args
+
+
 def _wait_for_sshd(address: str, deadline: float) -> None:
     while True:
         try:
@@ -439,11 +451,15 @@ def up(
     build: str = "auto",
     say: Say = lambda _m: None,
     slurm: bool = False,
+    shared: Sequence[tuple[Path, str]] = (),
 ) -> Sandbox:
     """Create (or re-verify) the sandbox. On failure, remove what this call created and raise.
 
     ``subnet=None``: the sandbox's own subnet when it exists, else the first free /24 from
-    10.213.0.0/24 on (said through ``say``), so a second sandbox never hits "Pool overlaps"."""
+    10.213.0.0/24 on (said through ``say``), so a second sandbox never hits "Pool overlaps".
+    ``shared``: (dir on this machine, path in the nodes) pairs, bind-mounted read-only into every
+    node, as a cluster's shared filesystem holds one prepared env for all its nodes."""
+    mount_args = shared_mounts(shared)
     if subnet is not None:
         _check_args(name, n, subnet)
     ensure_engine()
@@ -468,7 +484,7 @@ def up(
     created_dir = not sdir.exists()
     try:
         tag = ensure_image(image, build, say)
-        extra: list[str] = []
+        extra: list[str] = list(mount_args)
         if slurm:
             tag = ensure_slurm_image(tag, say)
             vol = home_volume(name)
@@ -476,7 +492,7 @@ def up(
                 docker("volume", "create", "--label", f"{LABEL}={name}", vol)
                 created_volume = vol
             # the login user's home, shared by every node as NFS homes are on a real cluster
-            extra = ["--label", f"{LABEL}.slurm=1", "-v", f"{vol}:/home/{USER}"]
+            extra += ["--label", f"{LABEL}.slurm=1", "-v", f"{vol}:/home/{USER}"]
         net = network_name(name)
         if not networks(name):
             say(f"creating network {net} ({subnet})")
@@ -494,6 +510,8 @@ def up(
                 continue
             cname = container_name(name, i)
             say(f"starting {cname} at {address}")
+            # counted before `docker run`: one interrupted there (Ctrl-C, SIGTERM) is removed too
+            created_containers.append(cname)
             docker(
                 "run", "-d", "--init", "--name", cname, "--hostname", host,
                 "--network", net, "--ip", address, "--network-alias", host,
@@ -501,7 +519,6 @@ def up(
                 "--cap-add", "NET_ADMIN", "--shm-size", "1g", *extra,
                 tag, *NODE_CMD,
             )  # fmt: skip
-            created_containers.append(cname)
         sdir.mkdir(parents=True, exist_ok=True, mode=0o700)
         (Path.home() / ".ssh").mkdir(mode=0o700, exist_ok=True)  # ssh_config's ControlPath lives there
         os.chmod(sdir, 0o700)

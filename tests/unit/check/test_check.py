@@ -304,3 +304,14 @@ def test_the_probe_finds_commands_as_the_job_would() -> None:
     env file, no venv, so this machine's PATH)."""
     got = probe.env_facts({"commands": ["sh", "nodeops-surely-not-a-command"], "fast": True})
     assert got["commands"]["sh"].endswith("/sh") and got["commands"]["nodeops-surely-not-a-command"] == ""
+
+
+def test_a_chief_whose_open_files_cannot_hold_the_supervisor_fails() -> None:
+    """The supervisor keeps one ssh per node for the whole run: 1000 nodes need ~3,064 fds."""
+    (row,) = check.chief_fd_rows("node1", {"nofile": [1024, 4096]}, 1000)
+    assert (row.host, row.check, row.status) == ("node1", "supervisor fds", check.FAIL)
+    assert "ulimit -n 1024" in row.detail and "1000 nodes" in row.detail and "limits.conf" in row.detail
+    # as a job gets it: env.sh raises soft to hard, and that is what the probe reads in the env
+    assert check.chief_fd_rows("node1", {"nofile": [1024, 1048576], "env": {"nofile": [1048576, 1048576]}}, 1000) == []
+    assert check.chief_fd_rows("node1", {"nofile": [1024, 1024]}, 64) == []
+    assert check.chief_fd_rows("node1", None, 1000) == []

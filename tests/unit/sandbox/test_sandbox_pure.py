@@ -60,3 +60,23 @@ def test_free_subnet_skips_every_overlap() -> None:
     # a wide route (10.0.0.0/8) covers every candidate: a clear error, not Docker's "Pool overlaps"
     with pytest.raises(SandboxError, match="pass --subnet"):
         sandbox.free_subnet([ipaddress.ip_network("10.0.0.0/8")])
+
+
+def test_shared_dirs_are_bound_read_only_at_their_path() -> None:
+    args = sandbox.shared_mounts([(Path("/var/cache/env"), "/opt/shared/env")])
+    assert args == ["--mount", "type=bind,source=/var/cache/env,target=/opt/shared/env,readonly"]
+
+
+@pytest.mark.parametrize(
+    ("src", "dest", "message"),
+    [
+        ("relative/env", "/opt/env", "absolute paths"),
+        ("/srv/env", "opt/env", "absolute paths"),
+        ("/srv/a,b", "/opt/env", "without ','"),
+        ("/srv/env", "/home/debian", "not over /home/debian"),
+        ("/srv/env", "/usr/", "not over /usr"),
+    ],
+)
+def test_shared_dirs_refused(src: str, dest: str, message: str) -> None:
+    with pytest.raises(SandboxError, match=message):
+        sandbox.shared_mounts([(Path(src), dest)])

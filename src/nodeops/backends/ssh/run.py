@@ -42,7 +42,7 @@ from nodeops.node.failures import (
     root_cause,
 )
 from nodeops.quoting import sh_word
-from nodeops.transport import fan_out, last_line, ssh_argv
+from nodeops.transport import fan_out, last_line, limit_error, ssh_argv
 
 
 @dataclass
@@ -338,8 +338,14 @@ def follow(
 
     def reader(host: str) -> None:
         # Its own session: a Ctrl-C in the terminal reaches nodeops, which decides; not the ssh.
-        p = subprocess.Popen(ssh_argv(ssh_config, host, "bash", script), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)  # fmt: skip
+        try:
+            p = subprocess.Popen(ssh_argv(ssh_config, host, "bash", script), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, errors="replace",
+                                 start_new_session=True)  # fmt: skip
+        except OSError as e:  # this machine's own limit (open files, processes): the host is named, never waited on
+            events.put((host, f"@@nodeops-lost cannot follow it from here: {limit_error(e) or e}"))
+            events.put((host, None))
+            return
         procs[host] = p
         assert p.stdout is not None and p.stderr is not None
         joined = mpi_split.RankLines()  # torchrun's tee can cut a rank's line in two
