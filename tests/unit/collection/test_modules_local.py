@@ -174,8 +174,8 @@ def test_relay_sync_passes_on_to_many_targets_a_few_at_a_time(tmp_path: Path, mo
         "node2": True, "node3": True, "node4": True, "node5": True, "node9": False}  # fmt: skip
     assert result["by_target"]["node5"] == {"relayed": True, "transferred": each, "rsync_rc": 0, "msg": ""}
     # rsync exits 255 (its ssh failed) or, when it noticed the dead stream first, 12: either way ssh's reason
-    assert re.search(r"on to node9 \(rsync exit (255|12)\): ssh: connect to host 10\.0\.0\.9 port 22: Connection refused",
-                     result["by_target"]["node9"]["msg"]), result["by_target"]["node9"]  # fmt: skip
+    refused = r"on to node9 \(rsync exit (255|12)\): ssh: connect to host 10\.0\.0\.9 port 22: Connection refused"
+    assert re.search(refused, result["by_target"]["node9"]["msg"]), result["by_target"]["node9"]
     for i in (2, 3, 4, 5):
         got = sorted(f.name for f in (targets / f"10.0.0.{i}" / "stage" / "wheelhouse").iterdir())
         assert got == ["w0.whl", "w1.whl", "w2.whl"], (i, got)
