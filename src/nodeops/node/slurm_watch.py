@@ -28,12 +28,16 @@ from typing import Any
 
 if __package__:
     from . import stacks as S
-else:  # shipped: stacks.py lies beside this file
+    from . import stall as ST
+else:  # shipped: stacks.py and stall.py lie beside this file
     import stacks as S  # type: ignore[import-not-found,no-redef]
+    import stall as ST  # type: ignore[import-not-found,no-redef]
 
 CONFIG = "watch.json"  # in the run dir: {"hang_timeout": seconds}; written by launch, read here
 HANG = "hang.json"  # the verdict and every rank's stack (protocol.HANG over ssh)
 OUT_DIR = "hang"  # each node's stacks.py output: hang/NODE.out
+STALL_DIR = "stall"  # the stall watch's: stall/NODE.out
+STALLS = "stalls.json"  # every stall the stall watch reported (protocol.STALLS over ssh)
 STACKS_WAIT = 40.0  # seconds the stacks step may take (the supervisor's STACKS_WAIT)
 GRACE = 60.0  # seconds between SIGTERM and SIGKILL to the training step's srun
 TICK = 1.0
@@ -85,9 +89,9 @@ def read_answers(out_dir: str) -> tuple[list[dict[str, Any]], set[str]]:
     return dumps, answered
 
 
-def take_stacks(run_dir: str, nodes: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+def take_stacks(run_dir: str, nodes: list[str], out: str = OUT_DIR) -> tuple[list[dict[str, Any]], list[str]]:
     """Every rank's stack, one srun task per node of the allocation beside the training step."""
-    out_dir = os.path.join(run_dir, OUT_DIR)
+    out_dir = os.path.join(run_dir, out)
     os.makedirs(out_dir, exist_ok=True)
     for name in os.listdir(out_dir):  # this watchdog's own files from an earlier attempt
         if name.endswith(".out"):
@@ -143,6 +147,84 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
     return True
 
 
+class Stalls:
+    """The stall watch on Slurm (stall.py's rules, as the ssh supervisor applies them): each
+    node's log growth is its progress; a silence beyond the learned pace takes every rank's stack
+    in an srun step and a stall is reported once, live (a notice line in the batch log, which the
+    attached launch shows) and in ``stalls.json``; nothing is stopped."""
+
+    def __init__(self, run_dir: str, nodes: list[str]) -> None:
+        self.run_dir, self.nodes = run_dir, nodes
+        self.rhythm = ST.Rhythm()
+        self.stalls: list[dict[str, Any]] = []
+        self.silence: dict[str, Any] = {}
+
+    def beat(self, grew: list[str], now: float) -> None:
+        if self.silence and (self.silence["overall"] or set(grew) & set(self.silence["hosts"])):
+            took = now - self.silence["since"]
+            if self.silence.get("reported"):
+                self.stalls[self.silence["index"]].update(ended=round(time.time(), 3), lasted=round(took, 1))
+                self.save()
+                note(f"stall over: progress again after {took:.0f}s")
+            elif self.silence.get("quiet"):
+                self.rhythm.quiet = max(self.rhythm.quiet, took)
+            self.rhythm.resume(now)
+            self.silence = {}
+        for node in grew:
+            self.rhythm.beat(node, now)
+
+    def save(self) -> None:
+        tmp = os.path.join(self.run_dir, STALLS + ".tmp")
+        with open(tmp, "w") as f:
+            json.dump(self.stalls, f, indent=1)
+        os.replace(tmp, os.path.join(self.run_dir, STALLS))
+
+    def tick(self, now: float) -> None:
+        if self.silence and now < self.silence["next"]:
+            return
+        hosts = self.nodes or sorted(self.rhythm.last)
+        suspected = self.rhythm.suspect(now, hosts)
+        if suspected is None:
+            return
+        idle, late, overall = suspected
+        if not self.silence:
+            self.silence = {"since": now - idle, "hosts": late, "overall": overall}
+        dumps, _silent = take_stacks(self.run_dir, [n for n in self.nodes if overall or n in late], STALL_DIR)
+        now = time.monotonic()
+        idle = now - self.silence["since"]
+        self.silence["next"] = self.silence["since"] + ST.RECHECK * idle
+        v = ST.verdict(dumps, idle)
+        if not overall and v["kind"] != "none":
+            v = dict(v, kind="stall", line=f"{', '.join(late)}: no progress for {idle:.0f}s while the other nodes "
+                                            f"go on; {'; '.join(v['groups'])}")  # fmt: skip
+        if v["kind"] == "quiet":
+            self.silence["quiet"] = True
+        elif v["kind"] == "stall" and not self.silence.get("reported"):
+            self.silence.update(reported=True, index=len(self.stalls))
+            self.stalls.append({"at": round(time.time(), 3), "since": round(time.time() - idle, 3),
+                                "idle": round(idle, 1), "line": v["line"], "host": v["host"],
+                                "culprits": v["culprits"], "groups": v["groups"], "method": v["method"],
+                                "ranks": v["ranks"], "ended": None})  # fmt: skip
+            self.save()
+            note(f"stall: {v['line']} (stacks by {v['method']}; the run goes on: `nodeops stacks` for more, "
+                 f"`nodeops stop` to end it)")  # fmt: skip
+
+
+def note(text: str) -> None:
+    """A notice in the batch log: the attached launch and `logs` show it as ``==> ...``."""
+    sys.stdout.write(ST.note(text))
+    sys.stdout.flush()
+
+
+def grown(seen: tuple[tuple[str, int], ...], now: tuple[tuple[str, int], ...]) -> list[str]:
+    """The nodes whose log grew (the progress file counts for every node)."""
+    was = dict(seen)
+    changed = [name for name, size in now if was.get(name) != size]
+    if "progress" in changed:
+        return sorted({name[: -len(".log")] for name, _ in now if name.endswith(".log")})
+    return [name[: -len(".log")] for name in changed if name.endswith(".log")]
+
+
 def started(first: tuple[tuple[str, int], ...], now: tuple[tuple[str, int], ...], nodes: list[str]) -> bool:
     """Whether every node's log grew since the watch began (each node's first progress; without
     node names, any log)."""
@@ -156,14 +238,21 @@ def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
     last = began = time.monotonic()
     up = False  # every node showed its first progress: until then (at most the grace) the limit is the grace
     rearmed = 0  # fired and found no live rank on any node (at most 3 times): watched on
+    stalls = Stalls(run_dir, nodes)
     while alive(srun_pid):
         time.sleep(TICK)
         now = look(run_dir, nodes)
         up = up or time.monotonic() - began > S.HANG_STARTUP_GRACE
-        if now != seen:
+        if up:
+            stalls.rhythm.start(time.monotonic())
+        moved = now != seen
+        if moved:
+            stalls.beat(grown(seen, now), time.monotonic())
             seen, last = now, time.monotonic()
             up = up or started(first, now, nodes)
-        elif time.monotonic() - last > (timeout if up else max(timeout, S.HANG_STARTUP_GRACE)):
+        if stalls.rhythm.learning and time.monotonic() - last <= timeout:
+            stalls.tick(time.monotonic())  # a silence of every node, or of some while the others go on
+        elif not moved and time.monotonic() - last > (timeout if up else max(timeout, S.HANG_STARTUP_GRACE)):
             if fire(run_dir, srun_pid, nodes, timeout, time.monotonic() - last, rearm=rearmed < 3):
                 return 0
             rearmed, last = rearmed + 1, time.monotonic()

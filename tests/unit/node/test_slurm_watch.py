@@ -24,6 +24,7 @@ import pytest
 from nodeops.backends.slurm import backend
 from nodeops.node import slurm_watch as W
 from nodeops.node import stacks as S
+from nodeops.node import stall as ST
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +66,7 @@ def run_dir(tmp: Path, timeout: float) -> Path:
     (d / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
     (d / "stacks.py").write_text(Path(S.__file__).read_text())
     (d / "watch.py").write_text(Path(W.__file__).read_text())
+    (d / "stall.py").write_text(Path(ST.__file__).read_text())
     (d / W.CONFIG).write_text(json.dumps({"hang_timeout": timeout}))
     bin_dir = tmp / "bin"
     bin_dir.mkdir()
@@ -145,6 +147,50 @@ def test_a_quiet_step_is_not_called_hung_and_the_watchdog_ends_with_it(tmp_path:
     assert step.wait(timeout=10) == 0
     assert w.returncode == 0 and w.stdout == "", w.stdout + w.stderr
     assert not (d / W.HANG).exists()
+
+
+# a rank that prints a step every 0.3 s for 3 s (the pace), then sits in FUNC
+STEPPING = """
+import time
+def {func}():
+    while True:
+        time.sleep(0.2)
+for i in range(10):
+    print("rank {rank} step", i, flush=True)
+    time.sleep(0.3)
+{func}()
+"""
+
+
+def test_a_stall_is_reported_in_the_batch_log_and_the_step_goes_on(tmp_path: Path) -> None:
+    d = run_dir(tmp_path, 60)  # the hard timeout far away: only the stall watch speaks
+    lines = [f"RANK={i} {sys.executable} -c {shlex.quote(STEPPING.format(func=f, rank=i))} &"
+             for i, f in enumerate(["wait_in_all_reduce", "wait_in_all_reduce", "fetch_batch"])]  # fmt: skip
+    step = start_step(d, tmp_path, STEP.replace("{ranks}", "\n".join(lines)))
+    w = subprocess.Popen([sys.executable, str(d / "watch.py"), str(d), str(step.pid), "nodeA"],
+                         env=env_for(d, tmp_path), stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not (d / W.STALLS).exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (d / W.STALLS).exists(), "no stall reported within 60 s"
+        assert step.poll() is None  # reported, not stopped
+    finally:
+        os.killpg(step.pid, signal.SIGKILL)
+        step.wait()
+        out, _ = w.communicate(timeout=30)
+    (stall,) = json.loads((d / W.STALLS).read_text())
+    assert stall["host"] == "nodeA" and stall["line"].startswith("rank 2 (nodeA) has made no progress for "), stall
+    assert "in fetch_batch (<string>:5); ranks 0-1 are in wait_in_all_reduce (<string>:5)" in stall["line"], stall
+    assert stall["at"] - stall["since"] < 15
+    assert ST.NOTE_MARK + "stall: rank 2 (nodeA) has made no progress" in out, out
+    assert not (d / W.HANG).exists()
+
+
+def test_grown_names_the_nodes_whose_log_grew() -> None:
+    seen = (("a.log", 1), ("b.log", 5), ("progress", 7))
+    assert W.grown(seen, (("a.log", 2), ("b.log", 5), ("progress", 7))) == ["a"]
+    assert W.grown(seen, (("a.log", 1), ("b.log", 5), ("progress", 9))) == ["a", "b"]  # the script's own mark
 
 
 def test_started_means_every_nodes_log_grew() -> None:

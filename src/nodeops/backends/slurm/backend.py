@@ -31,6 +31,7 @@ from nodeops.node import recovery as R
 from nodeops.node import slurm_failures as SF
 from nodeops.node import slurm_watch as W
 from nodeops.node import stacks as S
+from nodeops.node import stall as ST
 from nodeops.quoting import sh_word
 from nodeops.setup.render import ssh_config
 from nodeops.spec import timeouts
@@ -316,6 +317,7 @@ def run_files(loaded: LoadedSpec) -> dict[str, str]:
     timeout = timeouts.hard(loaded.spec)[0]
     if timeout:
         files["watch.py"] = Path(W.__file__).read_text()
+        files["stall.py"] = Path(ST.__file__).read_text()  # the stall watch's rules (watch.py imports them)
         files[W.CONFIG] = json.dumps({"hang_timeout": timeout})
     if loaded.spec.launch.restarts:
         files.update(recover_files(loaded.spec))
