@@ -157,7 +157,7 @@ def batch_config(loaded: LoadedSpec) -> dict[str, Any]:
              "python_path": PYTHON_PATH, "fabric_args": FABRIC_ARGS, "fabric_config": FABRIC_CONFIG,
              "fabric_doc": FABRIC_DOC, "fabric_report": FABRIC_REPORT, "fabric_gate": FABRIC_GATE_DIR,
              "mpi_split": MPI_SPLIT, "mpi_shim": MPI_SHIM, "mpi_protocol": MPI_PROTOCOL,
-             "recover": SF.PACKAGE_DIR}  # fmt: skip
+             "recover": SF.PACKAGE_DIR, "step": SF.STEP}  # fmt: skip
     return {
         "runner": runner, "signal": s.signal.name if s.signal else None, "max_requeues": s.max_requeues,
         "restarts": spec.launch.restarts if runner == "torchrun" else 0, "max_restarts": spec.launch.max_restarts,
