@@ -613,6 +613,42 @@ def hang_of(st: Poll) -> dict[str, Any] | None:
     return report if isinstance(report, dict) else {}
 
 
+def fault_of(st: Poll) -> dict[str, Any] | None:
+    """What the batch node named as the fault of the job's last training step, where it named
+    one: a lost node (its heartbeats stopped), the hang watchdog's suspect, or with
+    launch.restarts the last attempt's culprit (``first_failure``'s form: host, kind, why)."""
+    res = st.result or {}
+    lost = res.get("lost")
+    if isinstance(lost, dict) and lost.get("node"):
+        return {"host": str(lost["node"]), "code": None, "kind": "lost", "why": str(lost.get("why") or "lost")}
+    hang = hang_of(st)
+    if hang is not None:
+        return {"host": str(hang.get("host") or ""), "code": None, "kind": "hang", "why": str(hang.get("why") or "")}
+    attempts = [a for a in (st.recovery or {}).get("attempts") or [] if isinstance(a, dict)]
+    if attempts and attempts[-1].get("culprit"):
+        a = attempts[-1]
+        return {"host": str(a["culprit"]), "code": None, "kind": str(a.get("kind") or ""), "why": str(a.get("why"))}
+    return None
+
+
+def timeline_result(st: Poll, first: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job's timeline in the ssh supervisor's form, for ``store.timeline``: every attempt
+    inside the allocation with its times (attempts.json, launch.restarts), else the job's one
+    training step (result.json's ``times``) with its fault (:func:`fault_of`, else ``first``:
+    the node whose failure the logs named). {} when the batch driver recorded none (an older
+    release's job, runner mpirun, a job that ended before training)."""
+    attempts = [a for a in (st.recovery or {}).get("attempts") or [] if isinstance(a, dict)]
+    if attempts:
+        return {"attempts": attempts}
+    times = (st.result or {}).get("times")
+    if not isinstance(times, dict) or not times:
+        return {}
+    fault = fault_of(st)
+    if fault is None and first is not None and first.get("host"):
+        fault = dict(first, kind=first.get("kind") or R.kind_of_exit(first.get("code")))
+    return {"times": times, "first_failure": fault}
+
+
 def attempt_lines(st: Poll) -> list[str]:
     """Each run of the job (attempts.jsonl: a line when it begins, one when it ends), once it
     was requeued; else []."""
