@@ -202,6 +202,13 @@ def timeline(result: dict[str, Any]) -> tuple[list[str], dict[str, float] | None
     return [line for line in lines if line], recovery.goodput(attempts, stalls)
 
 
+def timeline_lines(result: dict[str, Any]) -> list[str]:
+    """:func:`timeline` as lines: each fault's offsets, then the goodput line (none of either for
+    a run with no timeline)."""
+    incidents, good = timeline(result)
+    return incidents + ([recovery.goodput_line(good)] if good is not None else [])
+
+
 def describe(result: dict[str, Any]) -> str:
     """The supervisor's verdict in one line (with every attempt's fault, after restarts)."""
     first = result.get("first_failure")

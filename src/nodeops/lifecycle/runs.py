@@ -118,6 +118,10 @@ def refresh(runs: Sequence[Run]) -> None:
         if st.exit_code is not None:
             run.exit_code = st.exit_code
         run.verdict = st.verdict
+        kept = store.read_verdict(run.job.dir) if st.verdict else None
+        if kept is not None and kept.raw:  # the backend kept the verdict it found: its attempts and goodput
+            run.attempts = store.attempts_of(kept.raw)
+            run.goodput = store.timeline(kept.raw)[1]
 
     by_id = {r.job.run_id: r for r in todo}
     fan_out(list(by_id), lambda rid: one(by_id[rid]), width=64)

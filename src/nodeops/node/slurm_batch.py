@@ -24,10 +24,14 @@ import contextlib
 import json
 import os
 import re
+import secrets
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +50,22 @@ DS_SHELL = (
     ";; esac\nfi\n"
     'exec "$@"'
 )
+
+
+# Each node's task sends the batch node a heartbeat (one UDP datagram) every BEAT_EVERY seconds,
+# and its end. A node heard before whose task goes silent without its end is lost: its machine
+# or its network is gone (srun would wait its --wait for that task, then 12 s more).
+BEAT_EVERY = 1.0
+LOST_AFTER = 5.0  # silent this long: lost (the ssh guards' own HEARTBEAT_STALE)
+# silent this long once another node's task failed: srun is then stopping every task, and a live
+# node's task either says its end or is killed by Slurm, which srun hears at once (its step ends)
+LOST_QUICK = 3.0
+LOST_GRACE = 5.0  # after the SIGTERM that ends a lost node's step: the others' tasks end, then SIGKILL to srun
+BEAT_MAX = 4096  # bytes: a heartbeat is far smaller
+# a line a rank printed, and torchrun's report of a failed rank (protocol.RANK_OUTPUT and
+# protocol.AGENT_FAILED: this file imports no nodeops module)
+RANK_OUTPUT = re.compile(r"\[rank\d+\]:|\[\d+,\d+\]<std(?:out|err)>:")
+AGENT_FAILED = re.compile(r"failed \(exitcode: ([1-9]\d*|-\d+)\) local_rank: \d+(?: \(pid: (\d+)\))?")
 
 
 def say(text: str, err: bool = False) -> None:
@@ -247,7 +267,172 @@ def next_attempt(answer: str) -> float | None:
         return 0.0
 
 
+def beat_target(value: str) -> tuple[str, int, str] | None:
+    """``NODEOPS_HEARTBEAT`` ('ADDRESS PORT TOKEN'): where a node's task sends its heartbeats."""
+    words = value.split()
+    if len(words) != 3 or not words[1].isdigit():
+        return None
+    return words[0], int(words[1]), words[2]
+
+
+class Beats:
+    """What the batch node heard from each node's task during one training step, fed the
+    datagrams and the clock: the step's timeline (its ranks up, its last progress, its first
+    failure, in epoch seconds) and the nodes that went silent."""
+
+    def __init__(self, token: str, nodes: Sequence[str]) -> None:
+        self.token, self.nodes = token, list(nodes)
+        self.heard: dict[str, float] = {}  # node -> when its last heartbeat came (monotonic)
+        self.heard_at: dict[str, float] = {}  # the same, in epoch seconds
+        self.said: dict[str, tuple[int, float]] = {}  # node -> its log's growth and progress time, last said
+        self.up: set[str] = set()
+        self.failed: set[str] = set()  # nodes where torchrun reported a failed rank, or whose task failed
+        self.ended: dict[str, int] = {}  # node -> its task's exit
+        self.times: dict[str, float] = {}
+
+    def take(self, data: bytes, mono: float, wall: float) -> None:
+        try:
+            msg = json.loads(data.decode("utf-8", "replace"))
+            node, grown, progress = str(msg["node"]), int(msg["grown"]), float(msg["progress"])
+            end = msg.get("end")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return
+        if msg.get("token") != self.token or node not in self.nodes:
+            return
+        self.heard[node], self.heard_at[node] = mono, wall
+        if self.said.get(node, (0, 0.0)) != (grown, progress):
+            self.times["last_progress"] = wall
+        self.said[node] = (grown, progress)
+        if msg.get("up") and node not in self.up:
+            self.up.add(node)
+            if self.up >= set(self.nodes):
+                self.times.setdefault("ranks_up", wall)
+        if msg.get("failed") is True and node not in self.failed:
+            self.failed.add(node)
+            self.times.setdefault("failed", wall)
+        if isinstance(end, int) and not isinstance(end, bool) and node not in self.ended:
+            self.ended[node] = end
+            if end != 0:
+                self.failed.add(node)
+                self.times.setdefault("failed", wall)
+                self.times.setdefault("stop_sent", wall)  # srun's --kill-on-bad-exit stops the others now
+
+    def lost(self, mono: float) -> list[tuple[str, float]]:
+        """The nodes heard before whose task went silent without its end, each with how long
+        it has been silent, the longest first: LOST_AFTER, or LOST_QUICK once a rank failed on
+        another node (a lost node's peers fail soon: their connections to it break)."""
+        limit = LOST_QUICK if self.failed else LOST_AFTER
+        silent = [(n, mono - t) for n, t in self.heard.items() if n not in self.ended and mono - t >= limit]
+        return sorted(silent, key=lambda x: -x[1])
+
+    def settled(self, mono: float, lost: str) -> bool:
+        """Every other node's task heard from has ended (or has gone silent: Slurm killed it)."""
+        return all(n in self.ended or mono - t >= BEAT_EVERY + 0.5 for n, t in self.heard.items() if n != lost)
+
+
+def step_times(began: float, heard: dict[str, float], ended_at: float) -> dict[str, float]:
+    """A training step's timeline, in the ssh supervisor's form (epoch seconds): when it began,
+    what the heartbeats said (every node's ranks up, the last progress, the first failure, the
+    stop: a task's failed exit, on which srun's --kill-on-bad-exit stops every other task, or
+    the SIGTERM for a lost node), when srun ended."""
+    return {k: round(v, 3) for k, v in {"began": began, **heard, "ended": ended_at}.items()}
+
+
+def hang_times(path: str) -> dict[str, float]:
+    """When the hang watchdog fired and sent its stop (hang.json's ``fired``, ``stop_sent``)."""
+    try:
+        with open(path) as f:
+            got = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    pairs = (("failed", got.get("fired")), ("stop_sent", got.get("stop_sent"))) if isinstance(got, dict) else ()
+    return {k: round(float(v), 3) for k, v in pairs if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
 # --------------------------------------------------------------------------- a node's task
+class NodeLog:
+    """This node's log as its task sees it (slurmstepd writes it from this node, so no shared
+    filesystem's cache stands between): how much it grew since the task began, and whether a
+    rank's line came meanwhile."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.began = self.offset = self.size()
+        self.up = self.failed = False
+
+    def size(self) -> int:
+        try:
+            return os.path.getsize(self.path)
+        except OSError:
+            return 0
+
+    def look(self) -> int:
+        size = self.size()
+        if size > self.offset and not (self.up and self.failed):
+            try:
+                with open(self.path, "rb") as f:
+                    f.seek(self.offset)
+                    data = f.read(min(size - self.offset, 1 << 20))
+            except OSError:
+                return size - self.began
+            whole = data.rfind(b"\n") + 1 or (len(data) if len(data) == 1 << 20 else 0)  # whole lines only
+            text = data[:whole].decode("utf-8", "replace")
+            self.up = self.up or bool(RANK_OUTPUT.search(text))
+            self.failed = self.failed or bool(AGENT_FAILED.search(text))
+            self.offset += whole
+        return size - self.began
+
+
+class Heart:
+    """A node's task's heartbeats to the batch node (``NODEOPS_HEARTBEAT``), from a thread, and
+    its end (said three times: a datagram can be lost). Nothing is sent where the batch node
+    cannot be reached: the step then ends as srun ends it."""
+
+    def __init__(self, value: str, node: str, run_dir: str) -> None:
+        self.target = beat_target(value)
+        self.node, self.seq = node, 0
+        self.log = NodeLog(os.path.join(run_dir, "logs", f"{node}.log"))
+        self.progress = os.path.join(run_dir, "progress")
+        self.done = threading.Event()
+        self.sock: socket.socket | None = None
+        self.where: Any = None
+        if self.target is not None:
+            with contextlib.suppress(OSError, IndexError):
+                family, kind, proto, _, self.where = socket.getaddrinfo(self.target[0], self.target[1], 0,
+                                                                        socket.SOCK_DGRAM)[0]  # fmt: skip
+                self.sock = socket.socket(family, kind, proto)
+
+    def start(self) -> None:
+        if self.sock is not None:
+            threading.Thread(target=self.run, daemon=True).start()
+
+    def run(self) -> None:
+        self.send(None)  # at once: a node lost in its first second is known to the batch node
+        while not self.done.wait(BEAT_EVERY):
+            self.send(None)
+
+    def send(self, end: int | None) -> None:
+        if self.sock is None or self.target is None:
+            return
+        try:
+            progress = os.stat(self.progress).st_mtime
+        except OSError:
+            progress = 0.0
+        self.seq += 1
+        # the node and its count, how much its log grew since the task began, whether a rank's
+        # line is in it and whether torchrun reported a failed rank there, the progress file's
+        # time as this node sees it, and the task's exit (None while it runs)
+        beat = {"token": self.target[2], "node": self.node, "seq": self.seq, "grown": self.log.look(),
+                "up": self.log.up, "failed": self.log.failed, "progress": progress, "end": end}  # fmt: skip
+        with contextlib.suppress(OSError):
+            self.sock.sendto(json.dumps(beat).encode(), self.where)
+
+    def end(self, rc: int) -> None:
+        self.done.set()
+        for _ in range(3):
+            self.send(rc)
+
+
 def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
     """LAUNCHER RDZV_ID MAX_RESTARTS SCRIPT ARGS...: one node's torchrun (or DeepSpeed's launcher),
     waited for to its own end whatever signal comes."""
@@ -282,21 +467,110 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
         cmd = ["bash", "-c", DS_SHELL, "nodeops-deepspeed", hook, *launch]
     else:
         cmd = torchrun_argv(cfg, env, rdzv, restarts, args)
+    heart = Heart(env.get("NODEOPS_HEARTBEAT", ""), node, env.get("NODEOPS_RUN_DIR", ""))
+    heart.start()
     try:
         state["proc"] = proc = start(cmd, env=env)
     except OSError as e:
         say(f"nodeops: {cmd[0]}: {e}", err=True)
+        heart.end(127)
         return 127
     rc = shell_rc(proc.wait())  # a handled signal does not end the wait: torchrun's own end does
     if state["got"] and rc == 1:
         say(f"nodeops: torchrun on {node} ended its ranks after SIG{time_limit}")
         os.makedirs(f"{env.get('NODEOPS_RUN_DIR', '')}/signalled", exist_ok=True)
         open(f"{env.get('NODEOPS_RUN_DIR', '')}/signalled/{node}", "w").close()
-        return 0
+        rc = 0
+    heart.end(rc)
     return rc
 
 
 # --------------------------------------------------------------------------- the batch node
+def running(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether ``proc`` runs: not reaped, and not a zombie (ended, its parent yet to reap it)."""
+    if proc.returncode is not None:
+        return False
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class Listener:
+    """The batch node's side of the heartbeats of one training step: a UDP socket (any free
+    port), and a thread that reads it into :class:`Beats` and, when a node is lost, ends the
+    step: SIGTERM to srun (srun then has Slurm kill every task), and once the other nodes' tasks
+    have ended, SIGKILL (srun would go on waiting for the lost node's task)."""
+
+    def __init__(self, address: str, nodes: Sequence[str]) -> None:
+        self.beats = Beats(secrets.token_hex(8), nodes)
+        self.address = address
+        self.lost: dict[str, Any] | None = None
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+        family = socket.getaddrinfo(address, 0, 0, socket.SOCK_DGRAM)[0][0]
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.bind(("", 0))
+        self.sock.setblocking(False)
+
+    @property
+    def env(self) -> str:
+        """``NODEOPS_HEARTBEAT`` for the step's tasks."""
+        return f"{self.address} {self.sock.getsockname()[1]} {self.beats.token}"
+
+    def start(self, step: subprocess.Popen[bytes]) -> None:
+        self.thread = threading.Thread(target=self.run, args=(step,), daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.done.set()
+        if self.thread is not None:
+            self.thread.join(LOST_GRACE + 5)
+        self.sock.close()
+
+    def drain(self, wait: float) -> None:
+        if select.select([self.sock], [], [], wait)[0]:
+            while True:
+                try:
+                    data = self.sock.recv(BEAT_MAX)
+                except OSError:  # (BlockingIOError: none left)
+                    break
+                self.beats.take(data, time.monotonic(), time.time())
+
+    def run(self, step: subprocess.Popen[bytes]) -> None:
+        while not self.done.is_set():
+            self.drain(0.25)
+            lost = self.beats.lost(time.monotonic())
+            if lost and running(step):
+                self.end_lost(step, *lost[0])
+                return
+
+    def end_lost(self, step: subprocess.Popen[bytes], node: str, silent: float) -> None:
+        b = self.beats
+        failed = sorted(b.failed)
+        last = time.strftime("%H:%M:%S", time.localtime(b.heard_at[node]))
+        why = (f"its task has sent no heartbeat for {silent:.1f}s (the last at {last})"
+               + (f", after a rank failed on {', '.join(failed)}" if failed else ""))  # fmt: skip
+        now = time.time()
+        self.lost = {"node": node, "why": why, "heard": round(b.heard_at[node], 3), "detected": round(now, 3)}
+        # the fault happened when the node was last heard (what came later, its peers' errors, is no
+        # progress); it was detected now (a peer's failure heard before was its consequence)
+        timeline = {"last_progress": min(b.times.get("last_progress", now), b.heard_at[node]), "failed": now,
+                    "stop_sent": now}  # fmt: skip
+        say(f"nodeops: {node} lost: {why}; stopping the training step")
+        with contextlib.suppress(OSError):
+            step.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + LOST_GRACE
+        while running(step) and time.monotonic() < deadline and not b.settled(time.monotonic(), node):
+            self.drain(0.1)
+        if running(step):
+            say(f"nodeops: srun still waits for {node}'s task: SIGKILL")
+            with contextlib.suppress(OSError):
+                step.send_signal(signal.SIGKILL)
+        b.times.update(timeline)
+
+
 class Exit(Exception):
     """The job ends here with this code (its result already written)."""
 
@@ -323,6 +597,11 @@ class Batch:
         self.step: subprocess.Popen[bytes] | None = None  # srun (or mpirun): the time-limit signal goes there
         self.watch: subprocess.Popen[bytes] | None = None
         self.nodes: list[str] = []
+        self.began = time.time()  # the first training step's timeline begins with the job (its preflight included)
+        self.beat_address = ""  # where the nodes' tasks send their heartbeats: the batch node's NodeAddr
+        self.steps = 0
+        self.times: dict[str, float] = {}  # the last training step's timeline (step_times)
+        self.lost: dict[str, Any] | None = None  # the node whose heartbeats stopped, and why, when one did
 
     def path(self, key: str) -> str:
         return os.path.join(self.run_dir, self.cfg["files"][key])
@@ -410,6 +689,9 @@ class Batch:
         head = self.batch_node if self.cfg["restarts"] else (self.nodes[0] if self.nodes else "")
         _, shown = output(["scontrol", "show", "node", head])
         self.env["MASTER_ADDR"] = node_addr(shown) or head
+        if head != self.batch_node:
+            _, shown = output(["scontrol", "show", "node", self.batch_node])
+        self.beat_address = node_addr(shown) or self.batch_node
         job = int(self.job) if self.job.isdigit() else 0
         self.env["MASTER_PORT"] = str(self.cfg["port_base"] + job % self.cfg["port_span"])
         _, config = output(["scontrol", "show", "config"], stderr=subprocess.DEVNULL)
@@ -554,16 +836,57 @@ class Batch:
         signal's seconds: a node still checkpointing is not cut short)."""
         argv = step_argv(self.cfg, self.task, launcher, rdzv, self.cfg["max_restarts"], self.args,
                          nodes=step_nodes, overlap=overlap, log_dir=os.path.join(self.run_dir, "logs"))  # fmt: skip
+        began = self.began if self.steps == 0 else time.time()
+        self.steps += 1
+        listener = self.listen(nodes)
         try:
-            self.step = start(argv)
+            self.step = start(argv, env=dict(self.env, NODEOPS_HEARTBEAT=listener.env) if listener else None)
         except OSError as e:
             say(f"nodeops: srun: {e}", err=True)
             say("nodeops: srun exited 127")
+            if listener is not None:
+                listener.stop()
             return self.after_step(127)
+        if listener is not None:
+            listener.start(self.step)
         self.start_watch(nodes)
         rc = self.wait_step()
-        say(f"nodeops: srun exited {rc}")
-        return self.after_step(rc)
+        ended_at = time.time()
+        if listener is not None:
+            listener.stop()
+        self.lost = listener.lost if listener is not None else None
+        self.times = step_times(began, listener.beats.times if listener is not None else {}, ended_at)
+        if self.lost is not None:  # srun's exit is the SIGKILL that ended its wait for the lost node
+            say(f"nodeops: srun exited {rc}: the step was ended for {self.lost['node']}, lost (exit 1)")
+            rc = 1
+        else:
+            say(f"nodeops: srun exited {rc}")
+        rc, hung = self.after_step(rc)
+        self.record_step()
+        return rc, hung
+
+    def listen(self, nodes: Sequence[str]) -> Listener | None:
+        """The heartbeats' listener for a step on ``nodes`` (None where it cannot listen: the
+        step then ends as srun ends it)."""
+        if not self.beat_address:
+            return None
+        try:
+            return Listener(self.beat_address, nodes)
+        except OSError as e:
+            say(f"nodeops: no heartbeats from the nodes in this step (a lost node is found by srun alone): {e}",
+                err=True)  # fmt: skip
+            return None
+
+    def record_step(self) -> None:
+        """The step's timeline and its lost node, for the restart rules (``decide``)."""
+        attempt = self.env.get("NODEOPS_ATTEMPT", "1")
+        doc = {"attempt": int(attempt) if attempt.isdigit() else 1, "times": self.times, "lost": self.lost}
+        try:
+            with open(self.path("step") + ".tmp", "w") as f:
+                json.dump(doc, f)
+            os.replace(self.path("step") + ".tmp", self.path("step"))
+        except OSError as e:
+            say(f"nodeops: cannot record the step's timeline: {e}", err=True)
 
     def start_watch(self, nodes: Sequence[str]) -> None:
         """The hang watchdog: no log line and no progress for launch's hang timeout -> every rank's
@@ -601,6 +924,7 @@ class Batch:
         if hung:
             rc = 124
             say("nodeops: the hang watchdog stopped the run (exit 124)")
+            self.times.update(hang_times(self.path("hang")))
         self.step = self.watch = None  # (a signal from now on has no step to go to)
         return rc, hung
 
@@ -653,12 +977,18 @@ class Batch:
     def finish(self, rc: int, hung: bool) -> int:
         """The run's result, and with slurm.max_requeues, the requeue of a failed run."""
         limit = self.cfg["max_requeues"]
-        if limit and rc != 0 and self.restart < limit:
+        requeue = bool(limit and rc != 0 and self.restart < limit)
+        res = ended(rc, self.restart, self.got_signal, requeued=requeue, hung=hung)
+        if self.times:  # the last training step's timeline, and the node it lost
+            res["times"] = self.times
+        if self.lost is not None:
+            res["lost"] = self.lost
+        if requeue:
             say(f"nodeops: requeueing job {self.job} (restart {self.restart + 1} of {limit})")
-            self.result(ended(rc, self.restart, self.got_signal, requeued=True, hung=hung))
+            self.result(res)
             status(["scontrol", "requeue", self.job])
             return rc
-        self.result(ended(rc, self.restart, self.got_signal, hung=hung))
+        self.result(res)
         return rc
 
 

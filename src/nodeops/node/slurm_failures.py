@@ -44,6 +44,7 @@ ATTEMPT_MARK = "==> nodeops: attempt "  # where an attempt after a restart start
 CONFIG = "recover.json"  # in the run dir: the spec's restart rules (launch writes it)
 ATTEMPTS = P.ATTEMPTS  # in the run dir: every attempt (the ssh supervisor's form, plus the nodes left)
 PACKAGE_DIR = "recover"  # in the run dir: this module's package (nodeops/...), run with python3 -m
+STEP = "step.json"  # in the run dir: the last training step's timeline and lost node (the batch driver's)
 BATCH_LOG = "batch.log"
 TAIL_LINES = failures.TAIL_LINES
 LOST_STATES = ("DOWN", "NOT_RESPONDING", "FAIL", "POWERED_DOWN", "POWERING_DOWN")
@@ -156,9 +157,13 @@ def _raised(run_dir: str, tail: Sequence[str], since: float) -> str | None:
 
 def classify(batch_lines: Sequence[str], tails: Tails, step_nodes: Sequence[str],
              node_states: Mapping[str, str], hang: Mapping[str, Any] | None = None,
-             run_dir: str = "", since: float = 0.0) -> tuple[str, str | None, str]:  # fmt: skip
+             run_dir: str = "", since: float = 0.0,
+             silent: Mapping[str, Any] | None = None) -> tuple[str, str | None, str]:  # fmt: skip
     """A failed attempt's fault, as the ssh supervisor names it: (kind, the node blamed or None,
-    why). ``batch_lines``: the batch log since the attempt began; ``tails``: each node's lines."""
+    why). ``batch_lines``: the batch log since the attempt began; ``tails``: each node's lines;
+    ``silent``: the node whose heartbeats stopped (the batch driver's, which ended the step)."""
+    if silent and silent.get("node") in step_nodes:
+        return "lost", str(silent["node"]), str(silent.get("why") or "its heartbeats stopped")
     if hang is not None:
         host = hang.get("host")
         return "hang", (str(host) if host else None), str(hang.get("why") or "no progress")
@@ -238,6 +243,15 @@ def start(run_dir: str, batch_node: str, nodes: Sequence[str]) -> list[str]:
     return active
 
 
+def _step(run_dir: str, attempt: int) -> dict[str, Any]:
+    """The batch driver's record of attempt ``attempt``'s step ({} when there is none for it)."""
+    try:
+        got = _read_json(os.path.join(run_dir, STEP))
+    except (OSError, ValueError):
+        return {}
+    return got if isinstance(got, dict) and got.get("attempt") == attempt else {}
+
+
 def _close(doc: dict[str, Any], path: str, decision: str) -> None:
     """The run ends with the last attempt: what was decided, and the record done."""
     if decision:
@@ -257,6 +271,9 @@ def decide(run_dir: str, attempt: int, code: int, signal: str = "") -> tuple[lis
         raise ValueError(f"attempts.json's last attempt is {a.get('attempt')}, not {attempt}")
     active: list[str] = list(doc["active"])
     a["ended"] = time.time()
+    step = _step(run_dir, attempt)
+    if step.get("times"):
+        a["times"] = step["times"]
     hang_path = os.path.join(run_dir, "hang.json")
     hang: dict[str, Any] | None = None
     if os.path.exists(hang_path):
@@ -275,7 +292,8 @@ def decide(run_dir: str, attempt: int, code: int, signal: str = "") -> tuple[lis
     # srun numbers a step's tasks in the allocation's order, whatever --nodelist's order
     allocation = list(doc.get("allocation") or active)
     in_order = sorted(active, key=lambda n: allocation.index(n) if n in allocation else len(allocation))
-    kind, culprit, why = classify(batch, tails, in_order, states, hang, run_dir, float(a.get("started") or 0))
+    kind, culprit, why = classify(batch, tails, in_order, states, hang, run_dir, float(a.get("started") or 0),
+                                  step.get("lost"))  # fmt: skip
     # its place in the attempt's nodes (a spare takes the culprit's place there; c10d gives ranks by arrival)
     rank = active.index(culprit) if culprit in active else None
     a.update(kind=kind, culprit=culprit, why=why, signature=R.signature(kind, rank, None, why))
@@ -303,6 +321,8 @@ def decide(run_dir: str, attempt: int, code: int, signal: str = "") -> tuple[lis
     new = [h["name"] for h in hosts]
     wait = R.backoff(float(cfg.get("backoff") or 0), attempt)
     a.update(decision=decision, excluded=[culprit] if culprit is not None and culprit not in new else [], backoff=wait)
+    # the next nodes are ready: the job's preflight step probed them all, and Slurm's states were read just now
+    a["preflight_done"] = round(time.time(), 3)
     if hang is not None:  # this attempt's report, kept under its own name: the next starts clean
         os.replace(hang_path, os.path.join(run_dir, f"hang.attempt-{attempt}.json"))
     note = f"after attempt {attempt}: {kind} on {culprit}" + (f"; {culprit} excluded" if a["excluded"] else "")

@@ -118,6 +118,7 @@ def say(text: str) -> None:
 def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: float, rearm: bool = True) -> bool:
     """Every rank's stack, the verdict and the stop; False (nothing stopped) when every node
     answered with no live rank and ``rearm``: the ranks ended, their launchers are ending."""
+    fired = time.time()  # (the timeline: the hang was detected now)
     say(f"no progress for {idle:.0f}s (hang timeout {timeout:.0f}s): taking every rank's stack")
     dumps, silent = take_stacks(run_dir, nodes)
     if rearm and not S.running(dumps) and not silent:
@@ -127,7 +128,7 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
     report["host"] = host
     tmp = os.path.join(run_dir, HANG + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({**report, "why": why, "dumps": dumps}, f, indent=1)
+        json.dump({**report, "why": why, "fired": fired, "stop_sent": time.time(), "dumps": dumps}, f, indent=1)
     os.replace(tmp, os.path.join(run_dir, HANG))
     say(why)
     for line in S.report_lines(report):

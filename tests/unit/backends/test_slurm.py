@@ -21,9 +21,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nodeops.backends import store
 from nodeops.backends.slurm import backend as slurm_backend
 from nodeops.backends.slurm import job as slurm
 from nodeops.check import preflight as check
+from nodeops.lifecycle import runs
 from nodeops.node import failures
 from nodeops.node import slurm_batch as SB
 from nodeops.node import slurm_failures as SF
@@ -736,3 +738,98 @@ def test_a_deepspeed_node_that_srun_stopped_while_it_ended_its_failed_rank_is_bl
     assert SF.first_failure(batch, tails) == ("node2", 1)
     own, _ = failures.failure_lines(tails["node2"])
     assert own == ["rank 2: failing on purpose at step 3"]  # the launcher's own log lines left out
+
+
+class Said:
+    """A sink that keeps what it was told."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self.outs: list[str] = []
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    def out(self, text: str) -> None:
+        self.outs.append(text)
+
+    def line(self, host: str, text: str) -> None:
+        self.outs.append(f"{host} {text}")
+
+    def report(self, report: object) -> None:
+        self.notes.append(str(report))
+
+
+# attempts.json after a lost node (the batch node's rules, each attempt's timeline in epoch seconds)
+RECOVERED = {"total": 2, "attempts": [
+    {"attempt": 1, "hosts": ["node1", "node2"], "started": 1005.0, "ended": 1063.0, "outcome": "failed",
+     "kind": "lost", "culprit": "node2", "why": "its task has sent no heartbeat for 3.0s", "excluded": ["node2"],
+     "decision": "node2 excluded; spare node3 takes its place", "preflight_done": 1063.1,
+     "times": {"began": 1000.0, "ranks_up": 1020.0, "last_progress": 1057.0, "failed": 1060.0, "stop_sent": 1060.0,
+               "ended": 1062.5}},
+    {"attempt": 2, "hosts": ["node1", "node3"], "started": 1063.2, "ended": 1120.0, "outcome": "ok",
+     "times": {"began": 1063.2, "ranks_up": 1071.0, "last_progress": 1119.0, "ended": 1120.0}},
+], "done": True}  # fmt: skip
+
+
+def test_a_slurm_jobs_timeline_is_in_the_supervisors_form() -> None:
+    # launch.restarts: every attempt with its times, as an ssh supervisor's result has them
+    res = {"exit": 0, "requeued": False, "times": {"began": 1063.2}}
+    st = slurm.Poll("COMPLETED", "", "0:0", "node[1-3]", result=res, recovery=RECOVERED)
+    got = slurm.timeline_result(st)
+    assert got == {"attempts": RECOVERED["attempts"]}
+    lines = store.timeline_lines(got)
+    assert lines == [
+        "attempt 1 -> 2: lost on node2 at " + time.strftime("%H:%M:%S", time.localtime(1057.0))
+        + "; detected +3.0 s; stopped +5.5 s; preflight +6.1 s; started +6.2 s; training again +14.0 s",
+        "goodput 72% of 120.0 s: lost 20.0 s to start-up, 5.5 s to faults, 8.5 s to restarts",
+    ]  # fmt: skip
+    # one step, no restarts: its times in result.json, and the fault the batch node named (its lost node)
+    lost = {"exit": 1, "requeued": False, "times": RECOVERED["attempts"][0]["times"],
+            "lost": {"node": "node2", "why": "its task has sent no heartbeat for 5.0s"}}  # fmt: skip
+    one = slurm.timeline_result(slurm.Poll("FAILED", "", "1:0", "node[1-2]", result=lost))
+    assert one["first_failure"] == {"host": "node2", "code": None, "kind": "lost",
+                                    "why": "its task has sent no heartbeat for 5.0s"}  # fmt: skip
+    assert store.timeline_lines(one)[0].startswith("attempt 1: lost on node2 at ")
+    # a script's failure: the node the logs named, its kind from its code
+    failed = {"exit": 3, "requeued": False, "times": {"began": 1000.0, "ranks_up": 1010.0, "failed": 1030.0,
+                                                      "stop_sent": 1030.0, "ended": 1031.0}}  # fmt: skip
+    got = slurm.timeline_result(slurm.Poll("FAILED", "", "3:0", "n", result=failed), {"host": "node1", "code": 3})
+    assert got["first_failure"]["kind"] == "script"
+    assert store.timeline_lines(got)[0].endswith("script on node1 at " + time.strftime("%H:%M:%S",
+                                                 time.localtime(1030.0)) + "; stopped +1.0 s")  # fmt: skip
+    # no timeline recorded (an older release's job, runner mpirun, a preflight that failed): none shown
+    assert slurm.timeline_result(slurm.Poll("FAILED", "", "1:0", "n", result={"exit": 1})) == {}
+    assert store.timeline_lines({}) == []
+
+
+def test_status_and_runs_show_a_finished_slurm_runs_timeline_and_goodput(
+    fake_slurm: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "nh"))
+    d = store.jobs_dir() / "20261123-010203-abcd"
+    d.mkdir(parents=True)
+    job = store.Job(run_id=d.name, dir=d, hosts=["localhost"], argv=["t.py"], runner="torchrun", chief="localhost",
+                    backend="slurm", handle={"job_id": "4242"})  # fmt: skip
+    job.save()
+    # the run dir on the login node (here), as the batch node left it
+    rdir = fake_slurm / "home" / ".nodeops" / "runs" / d.name
+    (rdir / "logs").mkdir(parents=True)
+    res = {"exit": 0, "restart": 0, "signal": "", "requeued": False, "hang": False,
+           "times": RECOVERED["attempts"][1]["times"]}  # fmt: skip
+    (rdir / "result.json").write_text(json.dumps(res))
+    (rdir / SF.ATTEMPTS).write_text(json.dumps(RECOVERED))
+    (fake_slurm / "bin" / "squeue").write_text("#!/bin/sh\necho 'COMPLETED|None|node[1-3]'\n")
+    said = Said()
+    slurm_backend.SlurmBackend().status(job, said)
+    assert said.outs[0].startswith("job 4242       COMPLETED")
+    assert said.outs[-2].startswith("  attempt 1 -> 2: lost on node2 at ") and "detected +3.0 s" in said.outs[-2]
+    assert said.outs[-1] == "  goodput 72% of 120.0 s: lost 20.0 s to start-up, 5.5 s to faults, 8.5 s to restarts"
+    # runs: Slurm says it is over, and nobody followed it: its verdict is kept, with the goodput
+    [run] = runs.local_runs()
+    runs.refresh([run])
+    good = {"goodput": 0.7167, "wall": 120.0, "training": 86.0, "startup": 20.0, "faults": 5.5, "restarts": 8.5}
+    assert (run.state, run.verdict, run.goodput) == ("ok", True, good)
+    assert [a["attempt"] for a in run.attempts] == [1, 2]
+    [again] = runs.local_runs()  # the next listing reads the kept verdict: no Slurm asked
+    assert (again.state, again.goodput) == ("ok", run.goodput)

@@ -8,16 +8,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from nodeops.backends import store
 from nodeops.backends.slurm import backend as slurm_backend
 from nodeops.backends.slurm import job as slurm
+from nodeops.node import slurm_batch as B
 from nodeops.node import slurm_failures as SF
 from nodeops.spec.load import load_spec_text
 
@@ -365,3 +369,89 @@ def test_the_time_limit_signal_during_the_back_off_ends_the_run_and_leaves_no_sl
     assert a["attempts"][0]["decision"] == ("node2 excluded; spare node3 takes its place; but SIGUSR1 came (the "
                                             "time limit is near): no next attempt")  # fmt: skip
     assert len((run / "srun.calls").read_text().splitlines()) == 1
+
+
+# srun for the heartbeats' test: each node's task run for real (the driver's task mode, under a
+# stand-in torchrun that prints rank lines), each in its own process group as slurmstepd runs it.
+# Attempt 1 (rdzv 42-1) loses node2 once its ranks printed: its task and torchrun killed at once,
+# node1's torchrun then reports its failed rank, and srun waits on for node2's task, which never
+# ends; SIGTERM makes it kill the tasks it can reach (Slurm's forced termination) and wait on.
+LOSING_SRUN = """#!/bin/bash
+nodes=
+while [ $# -gt 0 ] && [ "$1" != python3 ]; do
+  case $1 in --nodelist=*) nodes=${1#--nodelist=} ;; esac
+  shift
+done
+rdzv=$7
+declare -A pids
+for n in ${nodes//,/ }; do
+  SLURMD_NODENAME=$n setsid "$@" >> "$NODEOPS_RUN_DIR/logs/$n.log" 2>&1 &
+  pids[$n]=$!
+done
+gone=
+trap 'echo TERM >> "$NODEOPS_RUN_DIR/srun.signals"
+      for n in "${!pids[@]}"; do [ "$n" = "$gone" ] || kill -KILL -- "-${pids[$n]}" 2>/dev/null; done' TERM
+if [ "$rdzv" = 42-1 ]; then
+  until grep -q 'rank1.:step 12' "$NODEOPS_RUN_DIR/logs/node2.log" 2>/dev/null; do sleep 0.1; done
+  kill -KILL -- "-${pids[node2]}"; gone=node2
+  echo "E1127 00:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:1] failed (exitcode: 1) local_rank: 0 \
+(pid: 1) of binary: python" >> "$NODEOPS_RUN_DIR/logs/node1.log"
+  while :; do sleep 0.2; done
+fi
+rc=0
+for n in "${!pids[@]}"; do wait "${pids[$n]}" || rc=$?; done
+exit $rc
+"""
+# torchrun: a rank line each 0.2 s, for good in attempt 1, else 3 of them and exit 0
+STAND_IN_TORCHRUN = """#!/bin/bash
+case "$*" in *--rdzv-id=42-1*) steps=100000 ;; *) steps=3 ;; esac
+r=0; [ "$SLURMD_NODENAME" = node1 ] || r=1
+for i in $(seq 1 $steps); do echo "[rank$r]:step $i"; sleep 0.2; done
+"""
+
+
+def test_a_node_whose_heartbeats_stop_is_lost_within_seconds_and_the_spare_takes_its_place(tmp_path: Path) -> None:
+    """The heartbeats, end to end on a stand-in allocation (real tasks, real UDP on this
+    machine): node2's task dies silently; node1's rank fails soon after; the batch node names
+    node2 lost LOST_QUICK after its last heartbeat, ends the step (srun would wait for node2's
+    task for good), and attempt 2 runs on node1 and the spare. Each attempt's timeline is in
+    attempts.json."""
+    script, run, env = batch_job(tmp_path, "", "  restarts: 1\n  restart_backoff: 0\n")
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "srun").write_text(LOSING_SRUN)
+    (bin_dir / "python").write_text(STAND_IN_TORCHRUN)
+    (bin_dir / "python").chmod(0o755)
+    (bin_dir / "scontrol").write_text((bin_dir / "scontrol").read_text().replace("10.9.0.1", "127.0.0.1"))
+    (run / "logs").mkdir()
+    env["PATH"] = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"  # this python3 for the tasks
+    t = time.monotonic()
+    with (run / "batch.log").open("w") as log:
+        p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py"], env=env, stdout=log,
+                           stderr=subprocess.STDOUT, timeout=60, check=False)  # fmt: skip
+    took = time.monotonic() - t
+    out = (run / "batch.log").read_text()
+    assert p.returncode == 0, out
+    assert re.search(r"^nodeops: node2 lost: its task has sent no heartbeat for \d+\.\ds \(the last at [\d:]+\), "
+                     r"after a rank failed on node1; stopping the training step$", out, re.M), out  # fmt: skip
+    assert "nodeops: srun still waits for node2's task: SIGKILL" in out
+    assert "nodeops: srun exited 137: the step was ended for node2, lost (exit 1)" in out
+    assert (run / "srun.signals").read_text() == "TERM\n"
+    a = json.loads((run / SF.ATTEMPTS).read_text())
+    first, second = a["attempts"]
+    assert (first["kind"], first["culprit"], first["excluded"]) == ("lost", "node2", ["node2"]), first
+    assert first["decision"] == "node2 excluded; spare node3 takes its place"
+    t1, t2 = first["times"], second["times"]
+    # node2 last heard, then named lost LOST_QUICK later (node1's rank had failed), then the step ended
+    assert t1["began"] < t1["ranks_up"] <= t1["last_progress"] < t1["failed"] == t1["stop_sent"] < t1["ended"]
+    assert B.LOST_QUICK <= t1["failed"] - t1["last_progress"] < B.LOST_AFTER + 3, t1
+    assert t1["ended"] - t1["stop_sent"] < B.LOST_GRACE + 3, t1
+    assert t1["ended"] <= first["preflight_done"] <= second["started"] <= t2["began"] < t2["ranks_up"] < t2["ended"]
+    assert "failed" not in t2 and second["outcome"] == "ok"
+    # the run's timeline as `status` shows it: the incident's offsets, and the goodput
+    [line], good = store.timeline({"attempts": a["attempts"]})
+    offsets = r"detected \+\d\.\d s; stopped \+\d\.\d s; preflight \+\d+\.\d s; started \+\d+\.\d s; training again"
+    assert re.fullmatch(r"attempt 1 -> 2: lost on node2 at [\d:]+; " + offsets + r" \+\d+\.\d s", line), line
+    assert good is not None and 0 < good["goodput"] < 1 and good["faults"] > 0 and good["restarts"] > 0
+    assert took < 45, out
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert str(run) not in ps, ps  # every task, torchrun and srun ended

@@ -143,18 +143,31 @@ def logs_tail(job: store.Job) -> dict[str, list[str]]:
             for name, (_, _, text) in st.files.items()}  # fmt: skip
 
 
-def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: dict[str, Any] | None = None) -> None:
-    """The finished job's verdict, kept in its record (``result.json``, as for an ssh run).
-    Not when Slurm forgot the job with no final state or result seen (`runs` says gone), nor
-    when the record was removed meanwhile (`clean` in another shell)."""
+def keep_verdict(job: store.Job, st: slurm.Poll, code: int, first: dict[str, Any] | None = None,
+                 sink: Sink | None = None) -> None:  # fmt: skip
+    """The finished job's verdict, kept in its record (``result.json``, as for an ssh run), with
+    its timeline in the ssh supervisor's form (`runs` reads its goodput there); the timeline
+    said to ``sink``. Not when Slurm forgot the job with no final state or result seen (`runs`
+    says gone), nor when the record was removed meanwhile (`clean` in another shell)."""
     if not st.state and st.result is None:
         return
     outcome = slurm.outcome(st)
+    raw = {"state": st.state, "exit": st.exit, "result": st.result, **slurm.timeline_result(st, first)}
     v = store.Verdict(outcome, f"Slurm job {slurm_id(job)}: {slurm.describe(st)}", code,
-                      first_failure=first,
-                      raw={"state": st.state, "exit": st.exit, "result": st.result}, backend="slurm")  # fmt: skip
+                      first_failure=first, raw=raw, backend="slurm")  # fmt: skip
     with contextlib.suppress(OSError):
         v.save(job.dir)
+    if sink is not None:
+        for line in store.timeline_lines(raw):
+            sink.note(f"    {line}")
+
+
+def keep_found(job: store.Job, st: slurm.Poll, code: int) -> None:
+    """`runs` found the job over and no verdict kept here (a detached launch nobody followed):
+    keep one with what the batch node named (no logs are read), so later listings, `status`
+    and `runs`' goodput need not ask Slurm (as an ssh run's verdict is kept)."""
+    if store.read_verdict(job.dir) is None:
+        keep_verdict(job, st, code, slurm.fault_of(st))
 
 
 def report_hang(job: store.Job, st: slurm.Poll, hang: dict[str, Any], sink: Sink) -> None:
@@ -163,7 +176,7 @@ def report_hang(job: store.Job, st: slurm.Poll, hang: dict[str, Any], sink: Sink
     host = str(hang.get("host") or "")
     first = {"host": host or (job.hosts[0] if job.hosts else ""), "code": None, "kind": "hang",
              "why": str(hang.get("why") or "hung")}  # fmt: skip
-    keep_verdict(job, st, failures.HUNG_EXIT, first)
+    keep_verdict(job, st, failures.HUNG_EXIT, first, sink)
     where = f"~/.nodeops/runs/{job.run_id}/{W.HANG} on {login_for(job).where}"
     if not hang:
         sink.note(f"==> run {job.run_id} HUNG: the hang watchdog stopped it, but its report ({where}) "
@@ -199,11 +212,11 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
         for line in lines:
             sink.note(f"    {line}")
     if slurm.outcome(st) == "ok":
-        keep_verdict(job, st, 0)
+        keep_verdict(job, st, 0, sink=sink)
         sink.note(f"==> run {job.run_id} finished: job {slurm_id(job)} {slurm.describe(st)}")
         return
     if slurm.outcome(st) == "stopped":
-        keep_verdict(job, st, 130)
+        keep_verdict(job, st, 130, sink=sink)
         raise ExitWith(130, f"==> run {job.run_id}: job {slurm_id(job)} was cancelled")
     pre_rows = (st.result or {}).get("preflight_rows")
     if (st.result or {}).get("preflight") == "error":
@@ -239,14 +252,16 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     batch = tails.pop("batch", [])
     code = slurm.exit_code(st, batch, tails)
     first = SF.first_failure(batch, tails)
-    attempts = (st.recovery or {}).get("attempts") or [{}]
-    blamed = attempts[-1].get("culprit") if isinstance(attempts[-1], dict) else None
-    if isinstance(blamed, str) and blamed and (first is None or first[0] != blamed):
-        # launch.restarts: the batch node's rules named the last attempt's culprit (a lost node
-        # reports no failure of its own: srun names only the nodes whose ranks lost it)
-        first = (blamed, code)
-    keep_verdict(job, st, code, None if first is None else {"host": first[0], "code": first[1],
-                                                            "why": f"exit code {first[1]}"})  # fmt: skip
+    # the batch node's own finding (a node whose heartbeats stopped; with launch.restarts, the last
+    # attempt's culprit) beats srun's lines: a lost node reports no failure of its own, srun names
+    # only the nodes whose ranks lost it
+    fault = slurm.fault_of(st)
+    if fault is not None and fault["host"] and (first is None or first[0] != fault["host"]):
+        first = (fault["host"], code)
+    why = fault["why"] if fault is not None and first is not None and fault["host"] == first[0] else ""
+    kept = None if first is None else {"host": first[0], "code": first[1], "why": why or f"exit code {first[1]}",
+                                       **({"kind": fault["kind"]} if why and fault else {})}  # fmt: skip
+    keep_verdict(job, st, code, kept, sink)
     sig = (st.result or {}).get("signal")
     if sig:
         raise ExitWith(code, f"==> run {job.run_id}: job {slurm_id(job)} got {sig} before its time limit; it was "
@@ -259,8 +274,9 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
         raise ExitWith(code, f"==> run {job.run_id} {slurm.describe(st)}: no task's failure was reported")
     host, rc = first
     own, summary = failures.failure_lines(tails.get(host, []))
+    what = f"{fault['kind']}: {why}" if why and fault is not None else f"exit code {rc}"
     sink.note(f"==> run {job.run_id} FAILED: job {slurm_id(job)} {st.state}; first failure on {host} "
-              f"(exit code {rc}); its last lines:")  # fmt: skip
+              f"({what}); its last lines:")  # fmt: skip
     for line in own or summary:
         sink.note(f"    {host} {line}")
     who = (
@@ -675,6 +691,10 @@ class SlurmBackend(Backend):
         sink.out(f"job {slurm_id(job):10} {slurm.describe(st)}")
         for line in [*slurm.attempt_lines(st), *slurm.restart_lines(st)]:
             sink.out(f"  {line}")
+        # each fault's timeline and the goodput (the culprit the kept verdict named, where the logs did)
+        kept = store.read_verdict(job.dir)
+        for line in store.timeline_lines(slurm.timeline_result(st, kept.first_failure if kept else None)):
+            sink.out(f"  {line}")
         if st.error or (st.state and st.state not in slurm.LIVE and st.state != "COMPLETED"):
             raise ExitWith(EXIT_FAILURE)
         if not st.state and slurm.exit_code(st) != 0:
@@ -708,6 +728,7 @@ class SlurmBackend(Backend):
             return RunState("unreachable", f"Slurm job {slurm_id(job)}: {st.error}")
         if st.forgotten and st.result is not None and not st.result.get("requeued"):
             # Slurm forgot it (MinJobAge); the batch script's own result says how it ended
+            keep_found(job, st, slurm.exit_code(st))
             return RunState(slurm.outcome(st), f"Slurm job {slurm_id(job)}: {slurm.describe(st)}",
                             slurm.exit_code(st), True)  # fmt: skip
         state = st.state or (last_state_of(job) if last_state_of(job) in slurm.TERMINAL else "")
@@ -719,4 +740,5 @@ class SlurmBackend(Backend):
         if out.state in ("ok", "failed", "stopped", "hung"):
             out.exit_code = slurm.exit_code(dataclasses.replace(st, state=state))
             out.verdict = True
+            keep_found(job, dataclasses.replace(st, state=state), out.exit_code)
         return out

@@ -157,7 +157,7 @@ def batch_config(loaded: LoadedSpec) -> dict[str, Any]:
              "python_path": PYTHON_PATH, "fabric_args": FABRIC_ARGS, "fabric_config": FABRIC_CONFIG,
              "fabric_doc": FABRIC_DOC, "fabric_report": FABRIC_REPORT, "fabric_gate": FABRIC_GATE_DIR,
              "mpi_split": MPI_SPLIT, "mpi_shim": MPI_SHIM, "mpi_protocol": MPI_PROTOCOL,
-             "recover": SF.PACKAGE_DIR}  # fmt: skip
+             "recover": SF.PACKAGE_DIR, "step": SF.STEP}  # fmt: skip
     return {
         "runner": runner, "signal": s.signal.name if s.signal else None, "max_requeues": s.max_requeues,
         "restarts": spec.launch.restarts if runner == "torchrun" else 0, "max_restarts": spec.launch.max_restarts,
@@ -611,6 +611,42 @@ def hang_of(st: Poll) -> dict[str, Any] | None:
         return None
     report = res.get("hang_report")
     return report if isinstance(report, dict) else {}
+
+
+def fault_of(st: Poll) -> dict[str, Any] | None:
+    """What the batch node named as the fault of the job's last training step, where it named
+    one: a lost node (its heartbeats stopped), the hang watchdog's suspect, or with
+    launch.restarts the last attempt's culprit (``first_failure``'s form: host, kind, why)."""
+    res = st.result or {}
+    lost = res.get("lost")
+    if isinstance(lost, dict) and lost.get("node"):
+        return {"host": str(lost["node"]), "code": None, "kind": "lost", "why": str(lost.get("why") or "lost")}
+    hang = hang_of(st)
+    if hang is not None:
+        return {"host": str(hang.get("host") or ""), "code": None, "kind": "hang", "why": str(hang.get("why") or "")}
+    attempts = [a for a in (st.recovery or {}).get("attempts") or [] if isinstance(a, dict)]
+    if attempts and attempts[-1].get("culprit"):
+        a = attempts[-1]
+        return {"host": str(a["culprit"]), "code": None, "kind": str(a.get("kind") or ""), "why": str(a.get("why"))}
+    return None
+
+
+def timeline_result(st: Poll, first: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The job's timeline in the ssh supervisor's form, for ``store.timeline``: every attempt
+    inside the allocation with its times (attempts.json, launch.restarts), else the job's one
+    training step (result.json's ``times``) with its fault (:func:`fault_of`, else ``first``:
+    the node whose failure the logs named). {} when the batch driver recorded none (an older
+    release's job, runner mpirun, a job that ended before training)."""
+    attempts = [a for a in (st.recovery or {}).get("attempts") or [] if isinstance(a, dict)]
+    if attempts:
+        return {"attempts": attempts}
+    times = (st.result or {}).get("times")
+    if not isinstance(times, dict) or not times:
+        return {}
+    fault = fault_of(st)
+    if fault is None and first is not None and first.get("host"):
+        fault = dict(first, kind=first.get("kind") or R.kind_of_exit(first.get("code")))
+    return {"times": times, "first_failure": fault}
 
 
 def attempt_lines(st: Poll) -> list[str]:
