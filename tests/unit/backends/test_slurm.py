@@ -828,8 +828,21 @@ def test_status_and_runs_show_a_finished_slurm_runs_timeline_and_goodput(
     # runs: Slurm says it is over, and nobody followed it: its verdict is kept, with the goodput
     [run] = runs.local_runs()
     runs.refresh([run])
-    good = {"goodput": 0.7167, "wall": 120.0, "training": 86.0, "startup": 20.0, "faults": 5.5, "restarts": 8.5}
+    good = {"goodput": 0.7167, "wall": 120.0, "training": 86.0, "startup": 20.0, "faults": 5.5, "restarts": 8.5, "stalls": 0}
     assert (run.state, run.verdict, run.goodput) == ("ok", True, good)
     assert [a["attempt"] for a in run.attempts] == [1, 2]
     [again] = runs.local_runs()  # the next listing reads the kept verdict: no Slurm asked
     assert (again.state, again.goodput) == ("ok", run.goodput)
+
+
+def test_a_slurm_runs_stalls_are_on_its_timeline_live_and_after() -> None:
+    t0 = 1_800_000_000.0
+    stall = {"at": t0 + 6.1, "since": t0, "line": "rank 2 (node3) has made no progress for 6s, in fetch (t.py:3)",
+             "ended": t0 + 30, "lasted": 30.0}  # fmt: skip
+    live = slurm.Poll(state="RUNNING", reason="", exit="0:0", nodes="node[1-3]", stalls=[stall])
+    (line,) = store.timeline_lines(slurm.timeline_result(live))  # no training step's times yet: the stall only
+    assert line.startswith("stall: last progress at ") and "reported +6.1 s; training again +30.0 s" in line
+    times = {"began": t0 - 20, "ranks_up": t0 - 10, "ended": t0 + 70}
+    done = dataclasses.replace(live, state="COMPLETED", result={"exit": 0, "times": times})
+    lines = store.timeline_lines(slurm.timeline_result(done))
+    assert lines[0] == line and lines[-1].endswith("lost 10.0 s to start-up, 30.0 s to stalls"), lines

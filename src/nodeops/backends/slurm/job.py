@@ -369,6 +369,11 @@ try:  # launch.restarts: every attempt inside the allocation (slurm_failures.py 
         out["recovery"] = json.load(f)
 except (OSError, ValueError):
     out["recovery"] = None
+try:  # the stall watch's reports (watch.py on the batch node)
+    with open(os.path.join(d, a["stalls"])) as f:
+        out["stalls"] = json.load(f)
+except (OSError, ValueError):
+    out["stalls"] = []
 print(json.dumps(out))
 """
 
@@ -384,6 +389,7 @@ class Poll:
     error: str = ""  # squeue and scontrol both failed: the state is not known (not: the job is gone)
     attempts: list[dict[str, Any]] = field(default_factory=list)  # attempts.jsonl: each run of the job that ended
     recovery: dict[str, Any] | None = None  # attempts.json (launch.restarts): every attempt inside the allocation
+    stalls: list[dict[str, Any]] = field(default_factory=list)  # stalls.json: the stall watch's reports
 
     @property
     def forgotten(self) -> bool:
@@ -412,7 +418,7 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
     args = json.dumps({"run_dir": f"~/.nodeops/runs/{run_id}", "job": job_id, "offsets": offsets,
                        "batch": BATCH_LOG, "max": max_bytes, "all": whole, "tail": tail,
                        "preflight": PREFLIGHT_OUT, "hang": W.HANG, "fabric": FABRIC_REPORT,
-                       "recovery": SF.ATTEMPTS})  # fmt: skip
+                       "recovery": SF.ATTEMPTS, "stalls": W.STALLS})  # fmt: skip
     code = _POLL.replace("json.loads(ARGS)", f"json.loads({args!r})")
     p = login.run(f"python3 - <<'NODEOPS_POLL'\n{code}\nNODEOPS_POLL\n")
     if p.returncode != 0:
@@ -423,7 +429,8 @@ def poll(login: Login, run_id: str, job_id: str, offsets: dict[str, int], max_by
                     files={k: (int(v[0]), int(v[1]), str(v[2])) for k, v in raw["files"].items()},
                     result=raw["result"], error=raw["error"],
                     attempts=[a for a in raw.get("attempts") or [] if isinstance(a, dict)],
-                    recovery=raw.get("recovery") if isinstance(raw.get("recovery"), dict) else None)  # fmt: skip
+                    recovery=raw.get("recovery") if isinstance(raw.get("recovery"), dict) else None,
+                    stalls=[s for s in raw.get("stalls") or [] if isinstance(s, dict)])  # fmt: skip
     except (ValueError, KeyError, IndexError, TypeError):
         raise SlurmError(f"cannot read job {job_id} on {login.where}: unexpected output "
                          f"{p.stdout.strip()[-200:]!r}") from None  # fmt: skip
@@ -637,16 +644,17 @@ def timeline_result(st: Poll, first: dict[str, Any] | None = None) -> dict[str, 
     training step (result.json's ``times``) with its fault (:func:`fault_of`, else ``first``:
     the node whose failure the logs named). {} when the batch driver recorded none (an older
     release's job, runner mpirun, a job that ended before training)."""
+    stalls = {"stalls": st.stalls} if st.stalls else {}
     attempts = [a for a in (st.recovery or {}).get("attempts") or [] if isinstance(a, dict)]
     if attempts:
-        return {"attempts": attempts}
+        return {"attempts": attempts, **stalls}
     times = (st.result or {}).get("times")
     if not isinstance(times, dict) or not times:
-        return {}
+        return stalls
     fault = fault_of(st)
     if fault is None and first is not None and first.get("host"):
         fault = dict(first, kind=first.get("kind") or R.kind_of_exit(first.get("code")))
-    return {"times": times, "first_failure": fault}
+    return {"times": times, "first_failure": fault, **stalls}
 
 
 def attempt_lines(st: Poll) -> list[str]:
