@@ -21,17 +21,18 @@ def need_wheels(*globs: str) -> None:
                          f"(or pip download torch==2.13.0 numpy py-spy -d {WHEELS})")  # fmt: skip
 
 
-def set_up_project(sandbox_spec: Path, work: Path, files: dict[str, str]) -> Path:
+def set_up_project(sandbox_spec: Path, work: Path, files: dict[str, str], workdir: str = "/srv/bench") -> Path:
     """``files`` in work/project (the workdir's source), a spec for the bench sandbox with a venv
-    (~/.venvs/bench: torch, numpy and, by setup's default, py-spy) and that workdir (/srv/bench);
-    `nodeops setup` run on it (not timed). Returns the spec."""
+    (~/.venvs/bench: torch, numpy and, by setup's default, py-spy) and that workdir (/srv/bench;
+    on a Slurm sandbox, a dir of the shared home); `nodeops setup` run on it (not timed).
+    Returns the spec."""
     (work / "project").mkdir()
     for name, text in files.items():
         (work / "project" / name).write_text(text)
     spec = work / "cluster.yaml"
     spec.write_text(sandbox_spec.read_text() + (
         f"python: {{venv: ~/.venvs/bench, packages: ['torch==2.13.0', numpy], wheelhouse: {WHEELS}}}\n"
-        f"workdir: {{path: /srv/bench, source: {work / 'project'}}}\n"
+        f"workdir: {{path: {workdir}, source: {work / 'project'}}}\n"
         "network: {ib: 'off'}\nenv: {OMP_NUM_THREADS: 1}\n"
     ))  # fmt: skip
     print("==> nodeops setup (not timed)", flush=True)

@@ -630,6 +630,21 @@ def test_a_killed_node_is_replaced_by_the_spare_inside_the_allocation(cluster: s
     # Slurm holds the job COMPLETING until it sets the lost node down (SlurmdTimeout, 300 s here)
     assert st.returncode == 0 and re.search(r"^job \d+ +(COMPLETED|ended \(exit 0\))", st.stdout), st.stdout
     assert "attempt 2/2 on node1,node3: finished" in st.stdout, st.stdout
+    # the incident on the timeline, in offsets from node2's last heartbeat: the batch node named it
+    # lost from its heartbeats (LOST_QUICK, 3 s, once node1's rank failed on the broken connection;
+    # LOST_AFTER, 5 s, at most), not after srun's --wait (60 s) and 12 s more; then the goodput
+    offsets = "; ".join(rf"{k} \+([\d.]+) s" for k in ("detected", "stopped", "preflight", "started", "training again"))
+    m = re.search(rf"^  attempt 1 -> 2: lost on node2 at [\d:]+; {offsets}$", st.stdout, re.M)
+    assert m is not None, st.stdout
+    detected, stopped, _, started, again = (float(x) for x in m.groups())
+    print(f"lost-node timeline: detected +{detected} s, stopped +{stopped} s, started +{started} s, "
+          f"training again +{again} s")  # fmt: skip
+    assert 2.5 <= detected <= 12 and stopped <= detected + 8 and started <= stopped + 10, st.stdout  # (1 s back-off)
+    assert re.search(r"^  goodput \d+% of [\d.]+ s: lost .* to faults, .* to restarts$", st.stdout, re.M), st.stdout
+    listed = json.loads(nodeops("runs", "--json").stdout)
+    [row] = [r for r in listed if r["run_id"] == run_id]
+    assert row["goodput"] is not None and 0 < row["goodput"]["goodput"] < 1 and row["goodput"]["faults"] > 0, row
+    assert [a["kind"] for a in row["attempts"] if a.get("kind")] == ["lost"], row
     assert leftovers(cluster) == {}
 
 

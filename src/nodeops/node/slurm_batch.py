@@ -7,12 +7,14 @@ shell's own process and gets Slurm's signals. Every node's srun task runs the sa
     python3 -I slurm_batch.py batch CONFIG SCRIPT [ARGS...]
         the job: the preflight step and its gate, the fabric step and its gate, the GPU count
         (runners mpirun and deepspeed), the training step (srun, or mpirun), the time-limit
-        signal's forwarding, the hang watchdog, launch.restarts' attempts (slurm_failures.py's
+        signal's forwarding, the hang watchdog, the nodes' heartbeats (a lost node ends the
+        step in seconds; the step's timeline), launch.restarts' attempts (slurm_failures.py's
         rules), result.json and attempts.jsonl, and the requeue
     python3 -I slurm_batch.py task CONFIG LAUNCHER RDZV_ID MAX_RESTARTS SCRIPT [ARGS...]
         one node's task of an srun step: torchrun (or DeepSpeed's per-node launcher), waited
         for to its own end whatever signal comes, the signal passed on where Slurm signals only
-        the task's own process (NODEOPS_FORWARD_SIGNALS)
+        the task's own process (NODEOPS_FORWARD_SIGNALS), and its heartbeats to the batch node
+        (NODEOPS_HEARTBEAT)
 
 What the controller reads is said here as the bash script said it: the ``nodeops: ...`` lines of
 the batch log, result.json and attempts.jsonl (one JSON object a line), the exit codes.

@@ -16,11 +16,13 @@ ships this module, with what it imports, into its run dir as a package of its ow
         -> the decided attempt will not start (the time-limit signal came): the record ends
 
 ``decide`` applies the ssh supervisor's rules (recovery.py) to what Slurm and the logs say:
-a node whose task never ended when srun gave up on the step, or that Slurm marks not
-responding or down, was ``lost``; the hang watchdog's report is a ``hang``; else the root-cause
-rule of an ssh run picks among the nodes srun reported (``script`` for a rank's own exit code,
-``signal``, or ``peer`` when only lost peers are reported). Every attempt is kept in
-``attempts.json`` in the ssh supervisor's form, which `launch`, `status` and `logs` show.
+a node whose heartbeats stopped (the batch driver's ``step.json``, which also holds the step's
+timeline, kept with the attempt), a node whose task never ended when srun gave up on the step,
+or one that Slurm marks not responding or down, was ``lost``; the hang watchdog's report is a
+``hang``; else the root-cause rule of an ssh run picks among the nodes srun reported (``script``
+for a rank's own exit code, ``signal``, or ``peer`` when only lost peers are reported). Every
+attempt is kept in ``attempts.json`` in the ssh supervisor's form, which `launch`, `status` and
+`logs` show.
 """
 
 from __future__ import annotations
