@@ -828,7 +828,15 @@ def test_status_and_runs_show_a_finished_slurm_runs_timeline_and_goodput(
     # runs: Slurm says it is over, and nobody followed it: its verdict is kept, with the goodput
     [run] = runs.local_runs()
     runs.refresh([run])
-    good = {"goodput": 0.7167, "wall": 120.0, "training": 86.0, "startup": 20.0, "faults": 5.5, "restarts": 8.5, "stalls": 0}
+    good = {
+        "goodput": 0.7167,
+        "wall": 120.0,
+        "training": 86.0,
+        "startup": 20.0,
+        "faults": 5.5,
+        "restarts": 8.5,
+        "stalls": 0,
+    }
     assert (run.state, run.verdict, run.goodput) == ("ok", True, good)
     assert [a["attempt"] for a in run.attempts] == [1, 2]
     [again] = runs.local_runs()  # the next listing reads the kept verdict: no Slurm asked
