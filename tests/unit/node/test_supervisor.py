@@ -144,9 +144,14 @@ def test_a_lost_host_stops_every_host(tmp_path: Path) -> None:
 def test_dead_chief_every_job_stops_within_10s_by_its_own_agent(tmp_path: Path) -> None:
     """The dead man's switch on each host: the guards and the supervisor die at once (a dead
     chief); each host's agent hears no heartbeat and stops its job by itself."""
-    _, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
     sup = start(dirs)
-    time.sleep(1.5)
+    deadline = time.monotonic() + 30  # every guard watching (under load they take a while to start)
+    while time.monotonic() < deadline and not all(
+            f"{h}: watching" in ((chief / "supervisor.log").read_text() if (chief / "supervisor.log").exists() else "")
+            for h in ("h1", "h2")):  # fmt: skip
+        time.sleep(0.1)
+    time.sleep(1.5)  # and heartbeats flowing
     t0 = time.monotonic()
     for line in ours(dirs):
         if "agent.py guard" in line:
@@ -162,9 +167,14 @@ def test_dead_chief_every_job_stops_within_10s_by_its_own_agent(tmp_path: Path) 
 
 def test_silent_supervisor_its_guards_stop_the_jobs_within_10s(tmp_path: Path) -> None:
     """A chief that vanishes from the network sends no EOF: the guards stop on silence."""
-    _, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
     sup = start(dirs)
-    time.sleep(1.5)
+    deadline = time.monotonic() + 30  # every guard watching (under load they take a while to start)
+    while time.monotonic() < deadline and not all(
+            f"{h}: watching" in ((chief / "supervisor.log").read_text() if (chief / "supervisor.log").exists() else "")
+            for h in ("h1", "h2")):  # fmt: skip
+        time.sleep(0.1)
+    time.sleep(1.5)  # and heartbeats flowing
     t0 = time.monotonic()
     os.kill(sup.pid, signal.SIGSTOP)
     try:
