@@ -455,3 +455,15 @@ def test_a_node_whose_heartbeats_stop_is_lost_within_seconds_and_the_spare_takes
     assert took < 45, out
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     assert str(run) not in ps, ps  # every task, torchrun and srun ended
+
+
+def test_finished_ranks_are_counted_per_node_in_the_shared_run_dir(tmp_path: Path) -> None:
+    for d, names in (("stacks", ["node1-11.txt", "node1-12.txt", "node2-7.txt"]), ("finished", ["node1-11.txt"])):
+        (tmp_path / d).mkdir()
+        for n in names:
+            (tmp_path / d / n).write_text("")
+    since = time.time() - 5
+    assert SF.finished_ranks(str(tmp_path), "node1", since) == (1, 2)
+    assert SF.finished_ranks(str(tmp_path), "node2", since) == (0, 1)
+    assert SF.finished_ranks(str(tmp_path), "node1", time.time() + 60) == (0, 0)  # an earlier attempt's marks
+    assert SF.finished_ranks(str(tmp_path / "none"), "node1", since) == (0, 0)

@@ -346,7 +346,7 @@ def recover_files(spec: ResourceSpec) -> dict[str, str]:
     the spec's rules for them (``slurm_failures.CONFIG``)."""
     lc, s = spec.launch, spec.slurm
     assert s is not None
-    files = package_files(SF.PACKAGE_DIR, (SF, failures, mpi_split, P, R))
+    files = package_files(SF.PACKAGE_DIR, (SF, failures, mpi_split, P, R, S))
     files[SF.CONFIG] = json.dumps({"nodes": s.nodes, "restarts": lc.restarts, "restart_on": lc.restart_on,
                                    "min_nodes": spec.min_nodes(), "backoff": lc.restart_backoff})  # fmt: skip
     return files
