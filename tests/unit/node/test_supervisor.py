@@ -141,17 +141,23 @@ def test_a_lost_host_stops_every_host(tmp_path: Path) -> None:
     assert wait_clean(dirs, 10) == []  # h2's own agent stops its job: its heartbeat went stale
 
 
+def wait_watching(chief: Path, hosts: tuple[str, ...]) -> None:
+    """Until every guard said ``watching`` (under load they take a while to start), then 1.5 s
+    more for the heartbeats to flow."""
+    log = chief / "supervisor.log"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(
+            f"{h}: watching" in (log.read_text() if log.exists() else "") for h in hosts):  # fmt: skip
+        time.sleep(0.1)
+    time.sleep(1.5)
+
+
 def test_dead_chief_every_job_stops_within_10s_by_its_own_agent(tmp_path: Path) -> None:
     """The dead man's switch on each host: the guards and the supervisor die at once (a dead
     chief); each host's agent hears no heartbeat and stops its job by itself."""
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
     sup = start(dirs)
-    deadline = time.monotonic() + 30  # every guard watching (under load they take a while to start)
-    while time.monotonic() < deadline and not all(
-            f"{h}: watching" in ((chief / "supervisor.log").read_text() if (chief / "supervisor.log").exists() else "")
-            for h in ("h1", "h2")):  # fmt: skip
-        time.sleep(0.1)
-    time.sleep(1.5)  # and heartbeats flowing
+    wait_watching(chief, ("h1", "h2"))
     t0 = time.monotonic()
     for line in ours(dirs):
         if "agent.py guard" in line:
@@ -169,12 +175,7 @@ def test_silent_supervisor_its_guards_stop_the_jobs_within_10s(tmp_path: Path) -
     """A chief that vanishes from the network sends no EOF: the guards stop on silence."""
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
     sup = start(dirs)
-    deadline = time.monotonic() + 30  # every guard watching (under load they take a while to start)
-    while time.monotonic() < deadline and not all(
-            f"{h}: watching" in ((chief / "supervisor.log").read_text() if (chief / "supervisor.log").exists() else "")
-            for h in ("h1", "h2")):  # fmt: skip
-        time.sleep(0.1)
-    time.sleep(1.5)  # and heartbeats flowing
+    wait_watching(chief, ("h1", "h2"))
     t0 = time.monotonic()
     os.kill(sup.pid, signal.SIGSTOP)
     try:
