@@ -14,8 +14,8 @@ description:
     using the private key O(key).
   - The targets are probed in parallel, up to 8 at a time, starting with the one after O(start_after) in the list.
     When every node checks every other (a full mesh), each then starts at a different target, so no target gets
-    more than about 8 new connections at once, below sshd's C(MaxStartups) (10:30:100 by default: past 10
-    connections not yet authenticated, sshd drops new ones at random).
+    more than about 8 new connections at once, below sshd's C(MaxStartups) (10:30:100 by default, so past 10
+    connections not yet authenticated sshd drops new ones at random).
   - Fails when any target does not answer, naming every such target with the last line ssh wrote to stderr.
   - Changes nothing on any host.
 version_added: "0.1.0"

@@ -387,8 +387,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             dumps = [d for d in dumps if d.get("host") in silence["hosts"]] or dumps
         v = ST.verdict(dumps, idle)
         if not silence["overall"] and v["kind"] != "none":
-            v = dict(v, kind="stall", line=f"{', '.join(silence['hosts'])}: no progress for {idle:.0f}s while the "
-                                            f"other hosts go on; {'; '.join(v['groups'])}")  # fmt: skip
+            line = f"{', '.join(silence['hosts'])}: no progress for {idle:.0f}s while the other hosts go on; "
+            v = dict(v, kind="stall", line=line + "; ".join(v["groups"]))
         silence["next"] = silence["since"] + ST.RECHECK * idle
         if v["kind"] == "none":
             log("stall watch: no rank is alive on any host (the run is ending); watching on")
