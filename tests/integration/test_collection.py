@@ -19,7 +19,7 @@ import pytest
 
 from nodeops import _shell
 from nodeops.launch import plan
-from nodeops.node import agent, protocol, recovery, stacks, supervisor
+from nodeops.node import agent, protocol, recovery, stacks, stall, supervisor
 from nodeops.quoting import ansible_yaml
 from nodeops.sandbox import cluster as sandbox
 
@@ -57,7 +57,7 @@ def test_the_built_collection_carries_the_packages_bytes(collections: Path) -> N
     installed = collections / "ansible_collections" / "nodeops" / "cluster"
     pairs = [(_shell, "plugins/module_utils/nodeops_shell.py"), (plan, "plugins/module_utils/nodeops_launch.py"),
              *((m, f"roles/launch/files/{m.__name__.rsplit('.', 1)[1]}.py")
-               for m in (agent, protocol, recovery, stacks, supervisor))]  # fmt: skip
+               for m in (agent, protocol, recovery, stacks, stall, supervisor))]  # fmt: skip
     for module, rel in pairs:
         shipped = installed / rel
         assert shipped.is_file() and not shipped.is_symlink(), rel
