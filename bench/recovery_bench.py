@@ -33,7 +33,12 @@ runs. The phases come from the run's attempts.json (the batch node's own stamps)
 
 The issue's goal: on Slurm, from the kill to the first line, within 2x the ssh figure.
 
-    python bench/recovery_bench.py [--runs 3] [--backend ssh|slurm|both] [--keep]
+    python bench/recovery_bench.py [--runs 3] [--backend ssh|slurm|both] [--fault kill|pause] [--keep]
+
+``--fault pause`` freezes the node instead (``docker pause``): nothing breaks, its connections
+stay open and go silent, as with a hung or unplugged machine. Over ssh the chief's link to it
+then times out (ServerAliveInterval 2 s x 3); on Slurm its heartbeats stop (5 s, the peers' ranks
+failing nothing).
 
 Needs the torch 2.13.0 CPU wheelhouse with numpy and py-spy in .cache/wheelhouse-torch (the demo
 makes it).
@@ -94,7 +99,7 @@ def stamps(chief: str, run_id: str) -> dict[str, float]:
     return out
 
 
-def one_recovery(sb: sandbox.Sandbox, spec: Path) -> dict[str, float] | None:
+def one_recovery(sb: sandbox.Sandbox, spec: Path, fault: str = "kill") -> dict[str, float] | None:
     chief, victim = sb.nodes[0].container, sb.nodes[2].container
     for n in sb.nodes:
         sh("docker", "exec", n.container, "sh", "-c", "rm -f /tmp/bench-first-*")
@@ -108,11 +113,14 @@ def one_recovery(sb: sandbox.Sandbox, spec: Path) -> dict[str, float] | None:
         return None
     time.sleep(2)
     killed = time.time()
-    sh("docker", "kill", victim)
+    sh("docker", fault, victim)
     first = time_in_marker(chief, "/tmp/bench-first-1", 120)
     st = stamps(chief, run_id)
-    sh("docker", "start", victim)
-    sandbox._wait_for_sshd(sb.nodes[2].address, time.monotonic() + 60)
+    if fault == "pause":  # its agent finds the supervisor's heartbeat gone and stops its job
+        sh("docker", "unpause", victim)
+    else:
+        sh("docker", "start", victim)
+        sandbox._wait_for_sshd(sb.nodes[2].address, time.monotonic() + 60)
     sh(NODEOPS, "stop", run_id)
     if first is None or len(st) < 4:
         print(f"no recovery seen: {st}")
@@ -143,10 +151,14 @@ def slurm_record(login: str, run_id: str) -> dict[str, Any]:
     return got if isinstance(got, dict) else {}
 
 
-def slurm_revive(sb: sandbox.Sandbox, login: str) -> None:
-    """node2 back (its container, munged and slurmd: `sandbox up` again), and Slurm idle."""
-    sh("docker", "start", sb.nodes[1].container)
-    sandbox.up(name=SLURM_NAME, n=3, subnet=SLURM_SUBNET, slurm=True)
+def slurm_revive(sb: sandbox.Sandbox, login: str, fault: str) -> None:
+    """node2 back (unpaused; or its container, munged and slurmd: `sandbox up` again), and
+    Slurm idle."""
+    if fault == "pause":
+        sh("docker", "unpause", sb.nodes[1].container)
+    else:
+        sh("docker", "start", sb.nodes[1].container)
+        sandbox.up(name=SLURM_NAME, n=3, subnet=SLURM_SUBNET, slurm=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         nodes = sh("docker", "exec", login, "sinfo", "-h", "-N", "-o", "%N %T").stdout.split()
@@ -157,7 +169,7 @@ def slurm_revive(sb: sandbox.Sandbox, login: str) -> None:
     print("warning: Slurm did not settle within 120 s after node2 came back", flush=True)
 
 
-def one_recovery_slurm(sb: sandbox.Sandbox, spec: Path) -> dict[str, float] | None:
+def one_recovery_slurm(sb: sandbox.Sandbox, spec: Path, fault: str = "kill") -> dict[str, float] | None:
     login, victim = sb.nodes[0].container, sb.nodes[1].container  # rank 0 runs on the batch node, node1
     sh("docker", "exec", login, "sh", "-c", "rm -f /tmp/bench-first-*")
     p = sh(NODEOPS, "launch", "--detach", str(spec), "--", "job.py")
@@ -171,12 +183,12 @@ def one_recovery_slurm(sb: sandbox.Sandbox, spec: Path) -> dict[str, float] | No
             return None
         time.sleep(2)
         killed = time.time()
-        sh("docker", "kill", victim)
+        sh("docker", fault, victim)
         first = time_in_marker(login, "/tmp/bench-first-1", 180)
         rec = slurm_record(login, run_id).get("attempts") or []
     finally:
         sh(NODEOPS, "stop", run_id)  # (COMPLETING on node2 until it is back)
-        slurm_revive(sb, login)
+        slurm_revive(sb, login, fault)
     if first is None or len(rec) < 2 or rec[0].get("kind") != "lost":
         print(f"no recovery seen: {rec}")
         return None
@@ -221,6 +233,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--backend", choices=("ssh", "slurm", "both"), default="both")
+    ap.add_argument("--fault", choices=("kill", "pause"), default="kill",
+                    help="docker kill the node (its connections break), or pause it (silent: a hung or "
+                    "unplugged machine)")  # fmt: skip
     ap.add_argument("--keep", action="store_true", help="leave the sandboxes up")
     args = ap.parse_args()
     need_wheels("torch-2.13.0*.whl")
@@ -235,7 +250,7 @@ def main() -> int:
             if slurm:
                 ssb, sspec = slurm_project(Path(tmp_slurm))
             for i in range(args.runs):
-                got = one_recovery(sb, spec) if ssh else None
+                got = one_recovery(sb, spec, args.fault) if ssh else None
                 if got:
                     rec.append(got)
                     print(f"run {i + 1}: ssh: " + ", ".join(f"{k} {v:.2f}s" for k, v in got.items()), flush=True)
@@ -243,7 +258,7 @@ def main() -> int:
                 if base is not None:
                     fresh.append(base)
                     print(f"run {i + 1}: ssh: fresh launch to the first line {base:.2f}s", flush=True)
-                sgot = one_recovery_slurm(ssb, sspec) if slurm else None
+                sgot = one_recovery_slurm(ssb, sspec, args.fault) if slurm else None
                 if sgot:
                     srec.append(sgot)
                     print(f"run {i + 1}: Slurm: " + ", ".join(f"{k} {v:.2f}s" for k, v in sgot.items()), flush=True)
@@ -252,12 +267,13 @@ def main() -> int:
             for name, on in ((NAME, ssh), (SLURM_NAME, slurm)):
                 if on:
                     sandbox.down(name)
-    total = report("over ssh (node3 killed, spare node4 in)", PHASES, rec) if rec else None
+    did = {"kill": "killed", "pause": "paused"}[args.fault]
+    total = report(f"over ssh (node3 {did}, spare node4 in)", PHASES, rec) if rec else None
     if total is not None and fresh:
         base = statistics.median(fresh)
         print(f"baseline: a fresh `nodeops launch --detach --no-check` to the first line: {base:.2f}s")
         print(f"ratio recovery / fresh launch: {total / base:.2f} (goal: 1.1 at most)")
-    stotal = report("on Slurm (node2 killed, the spare in the allocation)", SLURM_PHASES, srec) if srec else None
+    stotal = report(f"on Slurm (node2 {did}, the spare in the allocation)", SLURM_PHASES, srec) if srec else None
     if total is not None and stotal is not None:
         print(f"ratio Slurm / ssh, kill to the first line: {stotal / total:.2f} (goal: 2 at most)")
     if (ssh and not rec) or (slurm and not srec):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeops.backends import store
 from nodeops.sandbox import cluster as sandbox
 from tests.integration.conftest import (
     DS_VERSION,
@@ -498,7 +499,7 @@ def test_hang_watchdog_on_slurm_names_the_stuck_rank_and_ends_the_job(cluster: s
     assert re.search(r"the others: ranks 0-2 \([^)]*\): all_reduce \(", err), err
     assert "nodeops: hang: stopping the training step" in p.stdout  # the batch log, streamed
     run_id = re.search(r"==> run (\S+): sbatch", p.stderr).group(1)  # type: ignore[union-attr]
-    hang = json.loads((Path.home() / ".nodeops" / "jobs" / run_id / "stacks" / "hang.json").read_text())
+    hang = json.loads((store.jobs_dir() / run_id / "stacks" / "hang.json").read_text())  # (NODEOPS_HOME, if set)
     assert sorted(d["rank"] for d in hang["dumps"]) == [0, 1, 2, 3], hang["dumps"]
     assert {d["host"] for d in hang["dumps"]} == {"node1", "node2", "node3"}
     assert all(d["method"] in ("py-spy", "signal") for d in hang["dumps"]), hang["dumps"]

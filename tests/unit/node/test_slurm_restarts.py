@@ -267,7 +267,7 @@ rdzv=$7
 for n in ${nodes//,/ }; do
   echo "task on $n rdzv $rdzv restart $NODEOPS_RESTART_COUNT attempt $NODEOPS_ATTEMPT" >> "$NODEOPS_RUN_DIR/logs/$n.log"
 done
-if [ "$rdzv" = 42-1 ]; then
+if [ "$rdzv" = 42-1 ] || [ -n "${FAKE_LOSE:-}" ]; then
   echo "[rank0]:RuntimeError: Connection closed by peer [10.9.0.2]:1" >> "$NODEOPS_RUN_DIR/logs/node1.log"
   echo "srun: error: node1: task 0: Exited with exit code 1" >&2
   echo "srun: StepId=42.0 task 1: running" >&2
@@ -276,12 +276,14 @@ fi
 """
 
 
-def batch_job(tmp_path: Path, slurm_extra: str, launch: str) -> tuple[str, Path, dict[str, str]]:
+def batch_job(tmp_path: Path, slurm_extra: str, launch: str,
+              shape: str = "  nodes: 2\n  spare_nodes: 1\n") -> tuple[str, Path, dict[str, str]]:  # fmt: skip
     """A 2-node job with 1 spare (node3) on a stand-in allocation node[1-3], node1 the batch
-    node: its batch script, its run dir with what launch ships, and the job's env."""
+    node (``shape``: another job on it): its batch script, its run dir with what launch ships,
+    and the job's env."""
     work = tmp_path / "work"
     work.mkdir()
-    spec = load_spec_text(f"slurm:\n  nodes: 2\n  spare_nodes: 1\n{slurm_extra}nodes:\n  - address: 10.0.0.1\n"
+    spec = load_spec_text(f"slurm:\n{shape}{slurm_extra}nodes:\n  - address: 10.0.0.1\n"
                           f"workdir:\n  path: {work}\nlaunch:\n{launch}", str(tmp_path / "cluster.yaml"))  # fmt: skip
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -373,11 +375,12 @@ def test_the_time_limit_signal_during_the_back_off_ends_the_run_and_leaves_no_sl
 
 # srun for the heartbeats' test: each node's task run for real (the driver's task mode, under a
 # stand-in torchrun that prints rank lines), each in its own process group as slurmstepd runs it.
-# Attempt 1 (rdzv 42-1) loses node2 once its ranks printed: its task and torchrun killed at once,
-# node1's torchrun then reports its failed rank, and srun waits on for node2's task, which never
-# ends; SIGTERM makes it kill the tasks it can reach (Slurm's forced termination) and wait on.
+# Attempt 1 (rdzv 42-1; any step with FAKE_LOSE) loses node2 once its ranks printed: its task
+# and torchrun killed at once, node1's torchrun then reports its failed rank, and srun waits on
+# for node2's task, which never ends; SIGTERM makes it kill the tasks it can reach (Slurm's
+# forced termination) and wait on. A step with no --nodelist runs on the whole allocation.
 LOSING_SRUN = """#!/bin/bash
-nodes=
+nodes=node1,node2,node3
 while [ $# -gt 0 ] && [ "$1" != python3 ]; do
   case $1 in --nodelist=*) nodes=${1#--nodelist=} ;; esac
   shift
@@ -391,7 +394,7 @@ done
 gone=
 trap 'echo TERM >> "$NODEOPS_RUN_DIR/srun.signals"
       for n in "${!pids[@]}"; do [ "$n" = "$gone" ] || kill -KILL -- "-${pids[$n]}" 2>/dev/null; done' TERM
-if [ "$rdzv" = 42-1 ]; then
+if [ "$rdzv" = 42-1 ] || [ -n "${FAKE_LOSE:-}" ]; then
   until grep -q 'rank1.:step 12' "$NODEOPS_RUN_DIR/logs/node2.log" 2>/dev/null; do sleep 0.1; done
   kill -KILL -- "-${pids[node2]}"; gone=node2
   echo "E1127 00:00:00.000000 1 torch/distributed/elastic/multiprocessing/api.py:1] failed (exitcode: 1) local_rank: 0 \
@@ -404,9 +407,9 @@ exit $rc
 """
 # torchrun: a rank line each 0.2 s, for good in attempt 1, else 3 of them and exit 0
 STAND_IN_TORCHRUN = """#!/bin/bash
-case "$*" in *--rdzv-id=42-1*) steps=100000 ;; *) steps=3 ;; esac
+case "$*" in *--rdzv-id=42-1*) steps=100000 ;; *) steps=${FAKE_LOSE:+100000} ;; esac
 r=0; [ "$SLURMD_NODENAME" = node1 ] || r=1
-for i in $(seq 1 $steps); do echo "[rank$r]:step $i"; sleep 0.2; done
+for i in $(seq 1 "${steps:-3}"); do echo "[rank$r]:step $i"; sleep 0.2; done
 """
 
 
@@ -467,3 +470,32 @@ def test_finished_ranks_are_counted_per_node_in_the_shared_run_dir(tmp_path: Pat
     assert SF.finished_ranks(str(tmp_path), "node2", since) == (0, 1)
     assert SF.finished_ranks(str(tmp_path), "node1", time.time() + 60) == (0, 0)  # an earlier attempt's marks
     assert SF.finished_ranks(str(tmp_path / "none"), "node1", since) == (0, 0)
+
+
+def test_without_restarts_a_lost_node_ends_the_job_in_seconds_and_is_named(tmp_path: Path) -> None:
+    """No launch.restarts: node2's heartbeats stop, the batch node ends the step (srun would wait
+    for node2's task for good), and the run ends failed (exit 1) with node2 named lost in
+    result.json, with the step's timeline."""
+    script, run, env = batch_job(tmp_path, "", "  restarts: 0\n", shape="  nodes: 3\n")
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "srun").write_text(LOSING_SRUN)
+    (bin_dir / "python").write_text(STAND_IN_TORCHRUN)
+    (bin_dir / "python").chmod(0o755)
+    (bin_dir / "scontrol").write_text((bin_dir / "scontrol").read_text().replace("10.9.0.1", "127.0.0.1"))
+    (run / "logs").mkdir()
+    env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", FAKE_LOSE="1")
+    with (run / "batch.log").open("w") as log:
+        p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py"], env=env, stdout=log,
+                           stderr=subprocess.STDOUT, timeout=60, check=False)  # fmt: skip
+    out = (run / "batch.log").read_text()
+    assert p.returncode == 1, out
+    assert "nodeops: srun exited 137: the step was ended for node2, lost (exit 1)" in out
+    res = json.loads((run / "result.json").read_text())
+    assert res["exit"] == 1 and res["lost"]["node"] == "node2" and res["lost"]["why"].startswith("its task has sent")
+    t = res["times"]
+    assert t["began"] < t["ranks_up"] <= t["last_progress"] == res["lost"]["heard"] < t["failed"] <= t["ended"]
+    st = slurm.Poll("FAILED", "", "1:0", "node[1-3]", result=res)
+    assert slurm.fault_of(st) == {"host": "node2", "code": None, "kind": "lost", "why": res["lost"]["why"]}
+    assert store.timeline_lines(slurm.timeline_result(st))[0].startswith("attempt 1: lost on node2 at ")
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert str(run) not in ps, ps
