@@ -197,11 +197,8 @@ def report_attempts(result: dict[str, Any], sink: Sink) -> None:
 def report_timeline(result: dict[str, Any], sink: Sink) -> None:
     """Each fault as offsets from when it happened, and the run's goodput (a run with no
     timeline, from an older release, shows neither)."""
-    incidents, good = store.timeline(result)
-    for line in incidents:
+    for line in store.timeline_lines(result):
         sink.note(f"    {line}")
-    if good is not None:
-        sink.note(f"    {R.goodput_line(good)}")
 
 
 def report_hang(job: store.Job, hang: dict[str, Any], sink: Sink) -> None:
