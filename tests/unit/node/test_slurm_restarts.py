@@ -420,12 +420,7 @@ def test_a_node_whose_heartbeats_stop_is_lost_within_seconds_and_the_spare_takes
     task for good), and attempt 2 runs on node1 and the spare. Each attempt's timeline is in
     attempts.json."""
     script, run, env = batch_job(tmp_path, "", "  restarts: 1\n  restart_backoff: 0\n")
-    bin_dir = tmp_path / "bin"
-    (bin_dir / "srun").write_text(LOSING_SRUN)
-    (bin_dir / "python").write_text(STAND_IN_TORCHRUN)
-    (bin_dir / "python").chmod(0o755)
-    (bin_dir / "scontrol").write_text((bin_dir / "scontrol").read_text().replace("10.9.0.1", "127.0.0.1"))
-    (run / "logs").mkdir()
+    bin_dir = losing_allocation(tmp_path, run)
     env["PATH"] = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"  # this python3 for the tasks
     t = time.monotonic()
     with (run / "batch.log").open("w") as log:
@@ -460,6 +455,18 @@ def test_a_node_whose_heartbeats_stop_is_lost_within_seconds_and_the_spare_takes
     assert str(run) not in ps, ps  # every task, torchrun and srun ended
 
 
+def losing_allocation(tmp_path: Path, run: Path) -> Path:
+    """The stand-in allocation whose srun loses node2 (its task dies silently), with the stand-in
+    torchrun, the batch node at 127.0.0.1 (for the heartbeats) and the logs dir: its bin dir."""
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "srun").write_text(LOSING_SRUN)
+    (bin_dir / "python").write_text(STAND_IN_TORCHRUN)
+    (bin_dir / "python").chmod(0o755)
+    (bin_dir / "scontrol").write_text((bin_dir / "scontrol").read_text().replace("10.9.0.1", "127.0.0.1"))
+    (run / "logs").mkdir()
+    return bin_dir
+
+
 def test_finished_ranks_are_counted_per_node_in_the_shared_run_dir(tmp_path: Path) -> None:
     for d, names in (("stacks", ["node1-11.txt", "node1-12.txt", "node2-7.txt"]), ("finished", ["node1-11.txt"])):
         (tmp_path / d).mkdir()
@@ -477,12 +484,7 @@ def test_without_restarts_a_lost_node_ends_the_job_in_seconds_and_is_named(tmp_p
     for node2's task for good), and the run ends failed (exit 1) with node2 named lost in
     result.json, with the step's timeline."""
     script, run, env = batch_job(tmp_path, "", "  restarts: 0\n", shape="  nodes: 3\n")
-    bin_dir = tmp_path / "bin"
-    (bin_dir / "srun").write_text(LOSING_SRUN)
-    (bin_dir / "python").write_text(STAND_IN_TORCHRUN)
-    (bin_dir / "python").chmod(0o755)
-    (bin_dir / "scontrol").write_text((bin_dir / "scontrol").read_text().replace("10.9.0.1", "127.0.0.1"))
-    (run / "logs").mkdir()
+    bin_dir = losing_allocation(tmp_path, run)
     env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", FAKE_LOSE="1")
     with (run / "batch.log").open("w") as log:
         p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py"], env=env, stdout=log,
