@@ -96,8 +96,10 @@ def heartbeat(spec: ResourceSpec) -> tuple[float, str] | None:
 
 def rows(spec: ResourceSpec) -> list[Row]:
     """The run's timeouts, in the order they fire."""
+    slurm_off = spec.on_slurm and hard(spec)[0] is None  # Slurm's stall watch runs in the hang watchdog
     out = [Row("stall report", None, f"learned from the run's pace (at least {ST.FLOOR:g}s)",
-               "reports the rank that differs, its host and frame; stops nothing")]  # fmt: skip
+               "off: on Slurm it runs in the hang watchdog, which launch.hang_timeout: 0 turns off" if slurm_off
+               else "reports the rank that differs, its host and frame; stops nothing")]  # fmt: skip
     nccl = uses_nccl(spec)
     ib = ib_retry(spec) if nccl else None
     if ib is not None:
@@ -134,12 +136,16 @@ def table(spec: ResourceSpec) -> list[str]:
     """``launch --dry-run``'s timeout table: training's timeouts in firing order, then start-up's."""
     lines = ["timeouts, in the order they fire (nodeops names the culprit before PyTorch ends the job):"]
     hang = hard(spec)[0]
-    for i, r in enumerate(rows(spec), 1):
+    fire = [r for r in rows(spec) if r.name == "stall report" or r.seconds is not None]
+    for i, r in enumerate(fire, 1):
         late = r.name == "NCCL InfiniBand retries"  # NCCL's own error must come before the hang timeout
         odd = (hang is not None and r.seconds is not None and (r.seconds >= hang if late else r.seconds <= hang)
                and r.name in ("NCCL InfiniBand retries", "NCCL heartbeat monitor", "collective timeout"))  # fmt: skip
         lines.append(f"  {i}. {r.name:26} {human(r.seconds):>6}  ({r.source}): {r.effect}"
                      + ("  <- out of order (see the spec's warning)" if odd else ""))  # fmt: skip
+    for r in rows(spec):
+        if r not in fire:
+            lines.append(f"     {r.name} ({r.source}): {r.effect}")
     for r in start_up_rows(spec):
         lines.append(f"     {r.name}: {human(r.seconds)} ({r.source}): {r.effect}")
     return lines

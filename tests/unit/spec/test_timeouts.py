@@ -56,3 +56,9 @@ def test_a_collective_timeout_that_is_no_duration_is_refused() -> None:
     with pytest.raises(SpecError) as e:
         load_spec_text(CPU + "launch: {collective_timeout: 3s}\n")
     assert e.value.issues[0].field == "launch.collective_timeout"
+
+
+def test_a_timeout_turned_off_takes_no_place_in_the_firing_order() -> None:
+    lines = T.table(load_spec_text(CPU + "launch: {hang_timeout: 0}\n").spec)
+    assert lines[2].startswith("  2. collective timeout") and not any(ln.startswith("  3.") for ln in lines)
+    assert "     hang timeout (launch.hang_timeout (0: off)): off: nothing stops a hung run before PyTorch" in lines
