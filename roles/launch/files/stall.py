@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 if __package__:
@@ -199,3 +200,80 @@ def describe(st: dict[str, Any]) -> str:
     found = f"reported +{float(st.get('at') or since) - since:.1f} s"
     end = f"training again +{float(st['lasted']):.1f} s" if st.get("ended") else "no progress since"
     return f"stall: last progress at {at}; {found}; {end}: {st.get('line', '')}"
+
+
+class Watch:
+    """The stall watch's bookkeeping, the same for the ssh supervisor and Slurm's watch.py: the
+    pace (:class:`Rhythm`), the silence being looked at, and every stall reported. The caller
+    hears progress (:meth:`beat`), asks whether to take stacks (:meth:`due`), and hands them
+    over (:meth:`judge`); ``say`` puts a notice where the user reads the run, ``save`` keeps
+    the stalls (stalls.json), ``log`` the watch's own words."""
+
+    def __init__(self, stalls: list[dict[str, Any]], say: Callable[[str], None],
+                 save: Callable[[list[dict[str, Any]]], None], log: Callable[[str], None],
+                 keep_dumps: bool = False) -> None:  # fmt: skip
+        self.rhythm = Rhythm()
+        self.stalls = stalls
+        self.silence: dict[str, Any] = {}
+        self.say, self.save, self.log, self.keep_dumps = say, save, log, keep_dumps
+
+    def beat(self, hosts: list[str], now: float) -> None:
+        """Progress from ``hosts``: a silence that was looked at ends (a reported stall is over;
+        a quiet phase that ended by itself is learned), then the pace learns the beat."""
+        s = self.silence
+        if s and (s["overall"] or set(hosts) & set(s["hosts"])):
+            took = now - s["since"]
+            if s.get("reported"):
+                self.stalls[s["index"]].update(ended=round(time.time(), 3), lasted=round(took, 1))
+                self.save(self.stalls)
+                self.say(f"stall over: progress again after {took:.0f}s")
+            elif s.get("quiet"):
+                self.rhythm.quiet = max(self.rhythm.quiet, took)
+                self.log(f"the quiet phase ended after {took:.0f}s: silences up to {STRETCH * self.rhythm.quiet:.0f}s "
+                         "are not suspected from now on")  # fmt: skip
+            self.rhythm.resume(now)
+            self.silence = {}
+        for h in hosts:
+            self.rhythm.beat(h, now)
+
+    def due(self, now: float, hosts: list[str]) -> tuple[float, list[str], bool] | None:
+        """A silence to look at now among ``hosts`` (stall.Rhythm.suspect), else None."""
+        if self.silence and now < self.silence["next"]:
+            return None
+        got = self.rhythm.suspect(now, hosts)
+        if got is not None and not self.silence:
+            idle, late, overall = got
+            self.silence = {"since": now - idle, "hosts": late, "overall": overall, "next": 0.0}
+        return got
+
+    def judge(self, dumps: list[dict[str, Any]], now: float) -> dict[str, Any] | None:
+        """The stacks of the silence being looked at: its verdict (None: progress came meanwhile).
+        A stall is reported once; a quiet phase is said once; either is looked at again at
+        RECHECK times the silence."""
+        s = self.silence
+        if not s:
+            return None
+        idle = now - s["since"]
+        mine = dumps if s["overall"] else [d for d in dumps if d.get("host") in s["hosts"]] or dumps
+        v = verdict(mine, idle)
+        if not s["overall"] and v["kind"] != "none":
+            line = f"{', '.join(s['hosts'])}: no progress for {idle:.0f}s while the others go on; "
+            v = dict(v, kind="stall", line=line + "; ".join(v["groups"]))
+        s["next"] = s["since"] + RECHECK * idle
+        if v["kind"] == "none":
+            self.log("stall watch: no rank runs its script on any host (the run is ending); watching on")
+        elif v["kind"] == "quiet" and not s.get("quiet"):
+            s["quiet"] = True
+            self.log(f"stall watch: {v['line']}; looking again at {RECHECK * idle:.0f}s")
+        elif v["kind"] == "stall" and not s.get("reported"):
+            s.update(reported=True, index=len(self.stalls))
+            self.stalls.append({"at": round(time.time(), 3), "since": round(time.time() - idle, 3),
+                                "idle": round(idle, 1), "line": v["line"], "host": v["host"],
+                                "culprits": v["culprits"], "groups": v["groups"], "method": v["method"],
+                                "ranks": v["ranks"], "ended": None,
+                                **({"dumps": dumps} if self.keep_dumps else {})})  # fmt: skip
+            self.save(self.stalls)
+            self.say(f"stall: {v['line']} (stacks by {v['method']}; the run goes on: `nodeops stacks` for more, "
+                     f"`nodeops stop` to end it)")  # fmt: skip
+            return dict(v, reported=True)
+        return v

@@ -203,13 +203,11 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     times: dict[str, float] = {"began": time.time()}
     hang_report: dict[str, Any] | None = None
     flight: dict[str, list[int]] = {}  # host -> the NCCL ranks asked for their flight-recorder dump
-    # The stall watch (stall.py): the run's pace, every stall reported (stalls.json), the silence
-    # being looked at ({"since", "hosts", "next", "reported", "quiet", "index"}) and the size and
-    # progress-file time of the chief's host.log right after the supervisor's own notice (that
-    # growth is not the job's progress).
-    rhythm = ST.Rhythm()
-    stalls: list[dict[str, Any]] = read_json(P.STALLS) or []  # an earlier attempt's too
-    silence: dict[str, Any] = {}
+    # The stall watch (stall.Watch; an earlier attempt's stalls too), and the size and progress-file
+    # time of the chief's host.log right after the supervisor's own notice (that growth is not the
+    # job's progress).
+    watch = ST.Watch(read_json(P.STALLS) or [], say=lambda text: notice(text), save=lambda st: write_json(P.STALLS, st),
+                     log=log, keep_dumps=True)  # fmt: skip
     own_mark: list[tuple[int, float]] = []
     watch_stalls = cfg.get("stall_watch", True) is not False
     held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
@@ -249,9 +247,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         now = time.monotonic()
         last_progress = now
         times["last_progress"] = time.time()
-        if silence and (silence["overall"] or lk.name in silence["hosts"]):
-            silence_over(now)
-        rhythm.beat(lk.name, now)
+        watch.beat([lk.name], now)
 
     def handle(lk: Link, line: str) -> None:
         words = line.split()
@@ -268,7 +264,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             progressed.add(lk.name)
             if "ranks_up" not in times and all(h.name in progressed for h in links if h.has_job):
                 times["ranks_up"] = time.time()
-                rhythm.start(time.monotonic())
+                watch.rhythm.start(time.monotonic())
         elif words[0] == "stack" and hang:
             with contextlib.suppress(ValueError):
                 hang["dumps"].append(dict(json.loads(line[len("stack ") :]), host=lk.name))
@@ -355,57 +351,13 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             f.write((("\n" if cut else "") + ST.note(text)).encode())
         own_mark.append(job_marks())
 
-    def save_stalls() -> None:
-        write_json(P.STALLS, stalls)
-
-    def silence_over(now: float) -> None:
-        """Progress again after a silence that was looked at: a reported stall ends; a quiet
-        phase that ended by itself is learned (later ones of its length are not suspected)."""
-        took = now - silence["since"]
-        if silence.get("reported"):
-            st = stalls[silence["index"]]
-            st.update(ended=round(time.time(), 3), lasted=round(took, 1))
-            save_stalls()
-            notice(f"stall over: progress again after {took:.0f}s")
-        elif silence.get("quiet"):
-            rhythm.quiet = max(rhythm.quiet, took)
-            log(f"the quiet phase ended after {took:.0f}s: silences up to {ST.STRETCH * rhythm.quiet:.0f}s are "
-                "not suspected from now on")  # fmt: skip
-        rhythm.resume(now)
-        silence.clear()
-
     def judge_stall() -> None:
-        """Every guard answered a stall's stacks request: report a stall (once), or say that it
-        looks like a quiet phase and look again later."""
-        if not silence:  # progress came while the stacks were taken: no stall
-            hang.clear()
-            return
-        now = time.monotonic()
-        idle = now - silence["since"]
-        dumps = hang["dumps"]
-        if not silence["overall"]:
-            dumps = [d for d in dumps if d.get("host") in silence["hosts"]] or dumps
-        v = ST.verdict(dumps, idle)
-        if not silence["overall"] and v["kind"] != "none":
-            line = f"{', '.join(silence['hosts'])}: no progress for {idle:.0f}s while the other hosts go on; "
-            v = dict(v, kind="stall", line=line + "; ".join(v["groups"]))
-        silence["next"] = silence["since"] + ST.RECHECK * idle
-        if v["kind"] == "none":
-            log("stall watch: no rank is alive on any host (the run is ending); watching on")
-        elif v["kind"] == "quiet" and not silence.get("quiet"):
-            silence["quiet"] = True
-            log(f"stall watch: {v['line']}; looking again at {ST.RECHECK * idle:.0f}s")
-        elif v["kind"] == "stall" and not silence.get("reported"):
-            silence.update(reported=True, index=len(stalls))
+        """Every guard answered a stall's stacks request: the watch reports a stall (once), or
+        looks again later; NCCL ranks of a reported stall dump their flight recorder."""
+        v = watch.judge(hang["dumps"], time.monotonic())
+        if v is not None and v.get("reported"):
             for lk in links:  # NCCL ranks dump their flight recorder (flight/ in each host's run dir)
                 lk.send("flight")
-            stalls.append({"at": round(time.time(), 3), "since": round(time.time() - idle, 3), "idle": round(idle, 1),
-                           "line": v["line"], "host": v["host"], "culprits": v["culprits"], "groups": v["groups"],
-                           "method": v["method"], "ranks": v["ranks"], "ended": None,
-                           "dumps": hang["dumps"]})  # fmt: skip
-            save_stalls()
-            notice(f"stall: {v['line']} (stacks by {v['method']}; the run goes on: `nodeops stacks` for more, "
-                   f"`nodeops stop` to end it)")  # fmt: skip
         hang.clear()
 
     signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
@@ -419,8 +371,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                    or time.monotonic() - began > S.HANG_STARTUP_GRACE)  # fmt: skip
         limit = hang_timeout if started else max(hang_timeout, S.HANG_STARTUP_GRACE)
         calm = first is None and outcome == "ok" and stopping_since is None and sweep_since is None
-        if started and not rhythm.learning:  # ranks that print on some hosts only: learned from the grace's end
-            rhythm.start(time.monotonic())
+        if started and not watch.rhythm.learning:  # ranks printing on some hosts only: learned from the grace's end
+            watch.rhythm.start(time.monotonic())
         if hang_timeout and hang.get("for") == "stall" and calm and quiet > limit:
             hang["for"] = "hang"  # the stacks being taken answer the hard timeout too
             hang["idle"] = quiet
@@ -428,15 +380,13 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 lk.send("flight")
             times.setdefault("failed", time.time())
             log(f"no progress for {quiet:.0f}s (hang timeout {hang_timeout:.0f}s): the stall's stacks decide")
-        elif watch_stalls and not hang and calm and (not silence or time.monotonic() >= silence["next"]):
-            suspected = rhythm.suspect(time.monotonic(), [lk.name for lk in links if lk.has_job and lk.ended is None])
+        elif watch_stalls and not hang and calm:
+            suspected = watch.due(time.monotonic(), [lk.name for lk in links if lk.has_job and lk.ended is None])
             if suspected is not None:
                 idle, late, overall = suspected
-                if not silence:
-                    silence.update(since=time.monotonic() - idle, hosts=late, overall=overall, next=0.0)
                 hang.update({"for": "stall"}, asked=time.monotonic(), idle=idle, dumps=[], done=set())
                 log(f"stall watch: no progress from {', '.join(late)} for {idle:.0f}s (suspected after "
-                    f"{rhythm.limit(None if overall else late[0]):.0f}s): taking every rank's stack")  # fmt: skip
+                    f"{watch.rhythm.limit(None if overall else late[0]):.0f}s): taking every rank's stack")  # fmt: skip
                 for lk in links:
                     lk.send("stacks")
         if hang_timeout and not hang and calm and quiet > limit:
@@ -520,7 +470,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         "hosts": {lk.name: host_result(lk) for lk in links},
         "teardown_seconds": took,
         **({"hang": hang_report} if hang_report is not None else {}),
-        **({"stalls": [{k: v for k, v in st.items() if k != "dumps"} for st in stalls]} if stalls else {}),
+        **({"stalls": [{k: v for k, v in st.items() if k != "dumps"} for st in watch.stalls]} if watch.stalls else {}),
         "reports": [list(r) for r in reports],
         "times": {k: round(v, 3) for k, v in times.items()},
     }

@@ -148,67 +148,27 @@ def fire(run_dir: str, srun_pid: int, nodes: list[str], timeout: float, idle: fl
     return True
 
 
-class Stalls:
-    """The stall watch on Slurm (stall.py's rules, as the ssh supervisor applies them): each
-    node's log growth is its progress; a silence beyond the learned pace takes every rank's stack
-    in an srun step and a stall is reported once, live (a notice line in the batch log, which the
-    attached launch shows) and in ``stalls.json``; nothing is stopped."""
+def stall_watch(run_dir: str) -> ST.Watch:
+    """The stall watch on Slurm (stall.Watch, as the ssh supervisor keeps it): each node's log
+    growth is its progress; a stall is reported in the batch log (the attached launch shows it)
+    and in ``stalls.json``; nothing is stopped."""
 
-    def __init__(self, run_dir: str, nodes: list[str]) -> None:
-        self.run_dir, self.nodes = run_dir, nodes
-        self.rhythm = ST.Rhythm()
-        self.stalls: list[dict[str, Any]] = []
-        self.silence: dict[str, Any] = {}
-
-    def beat(self, grew: list[str], now: float) -> None:
-        if self.silence and (self.silence["overall"] or set(grew) & set(self.silence["hosts"])):
-            took = now - self.silence["since"]
-            if self.silence.get("reported"):
-                self.stalls[self.silence["index"]].update(ended=round(time.time(), 3), lasted=round(took, 1))
-                self.save()
-                note(f"stall over: progress again after {took:.0f}s")
-            elif self.silence.get("quiet"):
-                self.rhythm.quiet = max(self.rhythm.quiet, took)
-            self.rhythm.resume(now)
-            self.silence = {}
-        for node in grew:
-            self.rhythm.beat(node, now)
-
-    def save(self) -> None:
-        tmp = os.path.join(self.run_dir, STALLS + ".tmp")
+    def save(stalls: list[dict[str, Any]]) -> None:
+        tmp = os.path.join(run_dir, STALLS + ".tmp")
         with open(tmp, "w") as f:
-            json.dump(self.stalls, f, indent=1)
-        os.replace(tmp, os.path.join(self.run_dir, STALLS))
+            json.dump(stalls, f, indent=1)
+        os.replace(tmp, os.path.join(run_dir, STALLS))
 
-    def tick(self, now: float) -> None:
-        if self.silence and now < self.silence["next"]:
-            return
-        hosts = self.nodes or sorted(self.rhythm.last)
-        suspected = self.rhythm.suspect(now, hosts)
-        if suspected is None:
-            return
-        idle, late, overall = suspected
-        if not self.silence:
-            self.silence = {"since": now - idle, "hosts": late, "overall": overall}
-        dumps, _silent = take_stacks(self.run_dir, [n for n in self.nodes if overall or n in late], STALL_DIR)
-        now = time.monotonic()
-        idle = now - self.silence["since"]
-        self.silence["next"] = self.silence["since"] + ST.RECHECK * idle
-        v = ST.verdict(dumps, idle)
-        if not overall and v["kind"] != "none":
-            v = dict(v, kind="stall", line=f"{', '.join(late)}: no progress for {idle:.0f}s while the other nodes "
-                                            f"go on; {'; '.join(v['groups'])}")  # fmt: skip
-        if v["kind"] == "quiet":
-            self.silence["quiet"] = True
-        elif v["kind"] == "stall" and not self.silence.get("reported"):
-            self.silence.update(reported=True, index=len(self.stalls))
-            self.stalls.append({"at": round(time.time(), 3), "since": round(time.time() - idle, 3),
-                                "idle": round(idle, 1), "line": v["line"], "host": v["host"],
-                                "culprits": v["culprits"], "groups": v["groups"], "method": v["method"],
-                                "ranks": v["ranks"], "ended": None})  # fmt: skip
-            self.save()
-            note(f"stall: {v['line']} (stacks by {v['method']}; the run goes on: `nodeops stacks` for more, "
-                 f"`nodeops stop` to end it)")  # fmt: skip
+    return ST.Watch([], say=note, save=save, log=lambda _text: None)
+
+
+def look_for_stalls(watch: ST.Watch, run_dir: str, nodes: list[str], now: float) -> None:
+    """A silence beyond the pace: every rank's stack (an srun step), then the watch's verdict."""
+    got = watch.due(now, nodes or sorted(watch.rhythm.last))
+    if got is not None:
+        _idle, late, overall = got
+        dumps, _silent = take_stacks(run_dir, [n for n in nodes if overall or n in late], STALL_DIR)
+        watch.judge(dumps, time.monotonic())
 
 
 def note(text: str) -> None:
@@ -239,7 +199,7 @@ def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
     last = began = time.monotonic()
     up = False  # every node showed its first progress: until then (at most the grace) the limit is the grace
     rearmed = 0  # fired and found no live rank on any node (at most 3 times): watched on
-    stalls = Stalls(run_dir, nodes)
+    stalls = stall_watch(run_dir)
     while alive(srun_pid):
         time.sleep(TICK)
         now = look(run_dir, nodes)
@@ -252,7 +212,7 @@ def watch(run_dir: str, srun_pid: int, nodes: list[str], timeout: float) -> int:
             seen, last = now, time.monotonic()
             up = up or started(first, now, nodes)
         if stalls.rhythm.learning and time.monotonic() - last <= timeout:
-            stalls.tick(time.monotonic())  # a silence of every node, or of some while the others go on
+            look_for_stalls(stalls, run_dir, nodes, time.monotonic())  # every node silent, or some
         elif not moved and time.monotonic() - last > (timeout if up else max(timeout, S.HANG_STARTUP_GRACE)):
             if fire(run_dir, srun_pid, nodes, timeout, time.monotonic() - last, rearm=rearmed < 3):
                 return 0
