@@ -206,8 +206,9 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     # The stall watch (stall.Watch; an earlier attempt's stalls too), and the size and progress-file
     # time of the chief's host.log right after the supervisor's own notice (that growth is not the
     # job's progress).
-    watch = ST.Watch(read_json(P.STALLS) or [], say=lambda text: notice(text), save=lambda st: write_json(P.STALLS, st),
-                     log=log, keep_dumps=True)  # fmt: skip
+    watch = ST.Watch(
+        read_json(P.STALLS) or [], say=log, save=lambda st: write_json(P.STALLS, st), log=log, keep_dumps=True
+    )  # fmt: skip (say: notice, below, once it is defined)
     own_mark: list[tuple[int, float]] = []
     watch_stalls = cfg.get("stall_watch", True) is not False
     held: dict[str, Any] = {}  # a teardown held for PEER_GRACE: {"until", "why", "spare"}
@@ -350,6 +351,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             cut = f.tell() > 0 and not ends_with_newline(path)
             f.write((("\n" if cut else "") + ST.note(text)).encode())
         own_mark.append(job_marks())
+
+    watch.say = notice  # a stall's report goes into the chief's host.log
 
     def judge_stall() -> None:
         """Every guard answered a stall's stacks request: the watch reports a stall (once), or
