@@ -73,6 +73,27 @@ dist.destroy_process_group()
 """
 
 # fails on its first run (the last rank exits 3), succeeds once requeued
+# every rank prints its result and ends its script; then rank 1 dies of SIGABRT in the
+# interpreter's teardown (as gloo's "terminate called without an active exception" kills one):
+# an object whose __del__ aborts when the module's globals are cleared, after atexit ran
+TEARDOWN_TRAIN = """import os
+import torch.distributed as d
+
+d.init_process_group("gloo")
+rank = d.get_rank()
+d.barrier()
+d.destroy_process_group()
+
+
+class Teardown:
+    def __del__(self):
+        if rank == 1:
+            os.abort()
+
+
+keep = Teardown()
+print(f"rank {rank}: final result 42", flush=True)
+"""
 REQUEUE_TRAIN = """import os, sys
 import torch.distributed as dist
 dist.init_process_group("gloo")
@@ -122,6 +143,7 @@ def project(cluster: sandbox.Sandbox, tmp_path_factory: pytest.TempPathFactory) 
     (d / "ddp_train.py").write_text((ROOT / "examples" / "ddp_train.py").read_text())
     (d / "sig_train.py").write_text(SIG_TRAIN)
     (d / "requeue_train.py").write_text(REQUEUE_TRAIN)
+    (d / "teardown_train.py").write_text(TEARDOWN_TRAIN)
     (d / "linger.py").write_text(LINGER)
     write_spec(cluster, d, "requeue.yaml", "  max_requeues: 1\n")
     mpirun = write_spec(cluster, d, "mpirun.yaml")
@@ -420,6 +442,22 @@ def test_failing_rank_fails_the_job_and_names_its_host(cluster: sandbox.Sandbox,
     assert leftovers(cluster) == {}
 
 
+def test_a_job_that_finished_then_crashed_in_teardown_exits_3(cluster: sandbox.Sandbox, project: Path) -> None:
+    """Every rank ended its script, then rank 1 aborted in its interpreter's teardown: the results
+    are complete, and the run says so and exits failures.TEARDOWN_EXIT (3), as over ssh."""
+    p = nodeops("launch", str(project / "cluster.yaml"), "--attach", "--", "teardown_train.py")
+    out = p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.returncode == 3, out
+    assert len(re.findall(r"\[rank\d\]:rank \d: final result 42", p.stdout)) == 4, out
+    assert re.search(r"==> run \S+ finished its work, then crashed in teardown: every rank's script ended, then a "
+                     r"rank on node\d died \(exit code \d+\); the results are complete; exit 3",
+                     p.stderr), out  # fmt: skip
+    run_id = re.search(r"==> run (\S+): sbatch", p.stderr).group(1)  # type: ignore[union-attr]
+    runs = {r["run_id"]: r for r in json.loads(nodeops("runs", "--json").stdout)}
+    assert runs[run_id]["exit_code"] == 3, runs[run_id]
+    assert leftovers(cluster) == {}
+
+
 def test_status_pending_running_completed_and_logs_follow(cluster: sandbox.Sandbox, project: Path) -> None:
     p = nodeops("launch", "--detach", str(project / "pending.yaml"), "--", "ddp_train.py", "--steps", "5")
     assert p.returncode == 0, p.stderr
@@ -497,6 +535,10 @@ def test_hang_watchdog_on_slurm_names_the_stuck_rank_and_ends_the_job(cluster: s
     assert re.search(r"HUNG: no rank showed progress for \d+s \(hang timeout 20s\)", err), err
     assert re.search(rf"stuck: rank 3 \({node_of['3']}\): stuck_forever \(ddp_train\.py:\d+\)", err), err
     assert re.search(r"the others: ranks 0-2 \([^)]*\): all_reduce \(", err), err
+    # the stall watch named rank 3 first, within seconds, without stopping anything
+    stall = re.search(r"==> stall: rank 3 \((node\d)\) has made no progress for \d+s, in stuck_forever", p.stderr)
+    assert stall is not None and stall.group(1) == node_of["3"], p.stderr[-6000:]
+    assert stall.start() < p.stderr.index("HUNG: no rank showed progress"), p.stderr[-6000:]
     assert "nodeops: hang: stopping the training step" in p.stdout  # the batch log, streamed
     run_id = re.search(r"==> run (\S+): sbatch", p.stderr).group(1)  # type: ignore[union-attr]
     hang = json.loads((store.jobs_dir() / run_id / "stacks" / "hang.json").read_text())  # (NODEOPS_HOME, if set)

@@ -340,6 +340,23 @@ def step_times(began: float, heard: dict[str, float], ended_at: float) -> dict[s
     return {k: round(v, 3) for k, v in {"began": began, **heard, "ended": ended_at}.items()}
 
 
+def finished_ranks(run_dir: str, files: dict[str, str], nodes: Sequence[str], since: float,
+                   ) -> dict[str, list[int]]:  # fmt: skip
+    """Each node's ranks in a step (begun at ``since``) that ended their script (the ranks' hook's
+    finished/NODE-PID.txt) and that started (its stacks/NODE-PID.txt), [ended, started]: the
+    shared run dir holds every node's. The restart rules and the run's exit code tell "finished,
+    then crashed in teardown" by them (agent.finished_ranks counts the same over ssh)."""
+
+    def count(d: str, node: str) -> int:
+        try:
+            names = [n for n in os.listdir(os.path.join(run_dir, d)) if n.startswith(node + "-")]
+        except OSError:
+            return 0
+        return sum(1 for n in names if os.path.getmtime(os.path.join(run_dir, d, n)) >= since - 1)
+
+    return {n: [count(files["finished_dir"], n), count(files["stacks_dir"], n)] for n in nodes}
+
+
 def hang_times(path: str) -> dict[str, float]:
     """When the hang watchdog fired and sent its stop (hang.json's ``fired``, ``stop_sent``)."""
     try:
@@ -604,6 +621,7 @@ class Batch:
         self.steps = 0
         self.times: dict[str, float] = {}  # the last training step's timeline (step_times)
         self.lost: dict[str, Any] | None = None  # the node whose heartbeats stopped, and why, when one did
+        self.finished: dict[str, list[int]] = {}  # the last training step's nodes: [ranks ended, started]
 
     def path(self, key: str) -> str:
         return os.path.join(self.run_dir, self.cfg["files"][key])
@@ -858,6 +876,7 @@ class Batch:
             listener.stop()
         self.lost = listener.lost if listener is not None else None
         self.times = step_times(began, listener.beats.times if listener is not None else {}, ended_at)
+        self.finished = finished_ranks(self.run_dir, self.cfg["files"], nodes, began)
         if self.lost is not None:  # srun's exit is the SIGKILL that ended its wait for the lost node
             say(f"nodeops: srun exited {rc}: the step was ended for {self.lost['node']}, lost (exit 1)")
             rc = 1
@@ -882,7 +901,8 @@ class Batch:
     def record_step(self) -> None:
         """The step's timeline and its lost node, for the restart rules (``decide``)."""
         attempt = self.env.get("NODEOPS_ATTEMPT", "1")
-        doc = {"attempt": int(attempt) if attempt.isdigit() else 1, "times": self.times, "lost": self.lost}
+        doc = {"attempt": int(attempt) if attempt.isdigit() else 1, "times": self.times, "lost": self.lost,
+               "finished": self.finished}  # fmt: skip
         try:
             with open(self.path("step") + ".tmp", "w") as f:
                 json.dump(doc, f)
@@ -985,6 +1005,8 @@ class Batch:
             res["times"] = self.times
         if self.lost is not None:
             res["lost"] = self.lost
+        if rc != 0 and any(started for _, started in self.finished.values()):  # told apart by them: job.teardown
+            res["finished"] = self.finished
         if requeue:
             say(f"nodeops: requeueing job {self.job} (restart {self.restart + 1} of {limit})")
             self.result(res)

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 from nodeops.node import failures, mpi_split
 from nodeops.node import protocol as P
 from nodeops.node import recovery as R
-from nodeops.node import stacks as S
 
 RESTART_MARK = "nodeops: requeued, restart"  # in each node's log where a requeued run starts
 ATTEMPT_MARK = "==> nodeops: attempt "  # where an attempt after a restart starts (recovery.marker)
@@ -263,21 +262,6 @@ def _close(doc: dict[str, Any], path: str, decision: str) -> None:
     _write_json(path, doc)
 
 
-def finished_ranks(run_dir: str, node: str, since: float) -> tuple[int, int]:
-    """The ranks of ``node`` in this attempt (since its start) that ended their script (the
-    ranks' hook's finished/NODE-PID.txt) and that started (its stacks/NODE-PID.txt): the shared
-    run dir holds every node's (agent.finished_ranks over ssh)."""
-
-    def count(d: str) -> int:
-        try:
-            names = [n for n in os.listdir(os.path.join(run_dir, d)) if n.startswith(node + "-")]
-        except OSError:
-            return 0
-        return sum(1 for n in names if os.path.getmtime(os.path.join(run_dir, d, n)) >= since - 1)
-
-    return count(S.FINISHED_DIR), count(S.STACKS_DIR)
-
-
 def decide(run_dir: str, attempt: int, code: int, signal: str = "") -> tuple[list[str], float] | None:
     """After attempt ``attempt`` ended with ``code`` (srun's): record it, and return the next
     attempt's nodes and back-off (:func:`begin` then starts it), or None when the run ends here."""
@@ -312,7 +296,8 @@ def decide(run_dir: str, attempt: int, code: int, signal: str = "") -> tuple[lis
     in_order = sorted(active, key=lambda n: allocation.index(n) if n in allocation else len(allocation))
     kind, culprit, why = classify(batch, tails, in_order, states, hang, run_dir, float(a.get("started") or 0),
                                   step.get("lost"))  # fmt: skip
-    if R.finished_then_crashed(kind, [finished_ranks(run_dir, n, float(a.get("started") or 0)) for n in active]):
+    finished = step.get("finished") or {}  # the batch driver's count: [ranks that ended their script, started]
+    if R.finished_then_crashed(kind, [tuple(finished[n]) if n in finished else None for n in active]):
         kind, why = "teardown", f"{why}, after every rank had finished its work (it crashed in its teardown)"
     # its place in the attempt's nodes (a spare takes the culprit's place there; c10d gives ranks by arrival)
     rank = active.index(culprit) if culprit in active else None

@@ -473,10 +473,62 @@ def test_finished_ranks_are_counted_per_node_in_the_shared_run_dir(tmp_path: Pat
         for n in names:
             (tmp_path / d / n).write_text("")
     since = time.time() - 5
-    assert SF.finished_ranks(str(tmp_path), "node1", since) == (1, 2)
-    assert SF.finished_ranks(str(tmp_path), "node2", since) == (0, 1)
-    assert SF.finished_ranks(str(tmp_path), "node1", time.time() + 60) == (0, 0)  # an earlier attempt's marks
-    assert SF.finished_ranks(str(tmp_path / "none"), "node1", since) == (0, 0)
+    files = {"finished_dir": "finished", "stacks_dir": "stacks"}
+    assert B.finished_ranks(str(tmp_path), files, ["node1", "node2", "node3"], since) == {
+        "node1": [1, 2], "node2": [0, 1], "node3": [0, 0]}  # fmt: skip
+    assert B.finished_ranks(str(tmp_path), files, ["node1"], time.time() + 60) == {"node1": [0, 0]}  # earlier marks
+    assert B.finished_ranks(str(tmp_path / "none"), files, ["node1"], since) == {"node1": [0, 0]}
+
+
+# srun (on the stand-in allocation node[1-3]): every rank ends its script (the hook's finished mark; node2's second
+# rank not when FAKE_UNFINISHED is set), then node2's rank dies in its teardown (SIGABRT)
+TEARDOWN_SRUN = """#!/bin/bash
+mkdir -p "$NODEOPS_RUN_DIR/stacks" "$NODEOPS_RUN_DIR/finished"
+for m in node1-11 node2-21 node2-22 node3-31; do
+  : > "$NODEOPS_RUN_DIR/stacks/$m.txt"
+  [ -n "${FAKE_UNFINISHED:-}" ] && [ $m = node2-22 ] || : > "$NODEOPS_RUN_DIR/finished/$m.txt"
+done
+echo "[rank0]:final loss 0.01" >> "$NODEOPS_RUN_DIR/logs/node1.log"
+echo "terminate called without an active exception" >> "$NODEOPS_RUN_DIR/logs/node2.log"
+echo "srun: error: node2: task 1: Aborted (core dumped)" >&2
+exit 134
+"""
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_job_that_finished_then_crashed_in_teardown_exits_3_and_is_not_run_again(tmp_path: Path,
+                                                                                    restarts: int) -> None:  # fmt: skip
+    """Every rank ended its script, then one aborted in its teardown: on Slurm as over ssh, the
+    run's exit code is failures.TEARDOWN_EXIT, and launch.restarts does not run it again. A crash
+    while a rank still worked keeps the rank's own code (and restarts as any failure would)."""
+    script, run, env = batch_job(tmp_path, "", f"  restarts: {restarts}\n  restart_backoff: 0\n",
+                                 shape="  nodes: 3\n")  # fmt: skip
+    (tmp_path / "bin" / "srun").write_text(TEARDOWN_SRUN)
+    (run / "logs").mkdir(exist_ok=True)
+    for unfinished in ("", "1"):
+        env["FAKE_UNFINISHED"] = unfinished
+        with (run / "batch.log").open("w") as log:
+            p = subprocess.run(["bash", "-c", script, "job.sbatch", "train.py"], env=env, stdout=log,
+                               stderr=subprocess.STDOUT, timeout=60, check=False)  # fmt: skip
+        out = (run / "batch.log").read_text()
+        res = json.loads((run / "result.json").read_text())
+        assert p.returncode == 134 and res["exit"] == 134, out
+        counts = {"node1": [1, 1], "node2": [1 if unfinished else 2, 2], "node3": [1, 1]}
+        assert res["finished"] == counts, res
+        recovery = json.loads((run / SF.ATTEMPTS).read_text()) if restarts else None
+        st = slurm.Poll("FAILED", "", "134:0", "node[1-2]", result=res, recovery=recovery)
+        assert slurm.teardown(st) is not bool(unfinished)
+        assert slurm.exit_code(st) == (134 if unfinished else 3)
+        if restarts:
+            kinds = [a.get("kind") for a in recovery["attempts"]]  # type: ignore[index]
+            assert kinds == (["signal"] if unfinished else ["teardown"]), recovery  # (restart_on: infra)
+            if not unfinished:
+                assert "every rank had finished its work" in recovery["attempts"][0]["decision"]  # type: ignore[index]
+        for d in ("stacks", "finished"):
+            shutil.rmtree(run / d)
+        for name in (SF.ATTEMPTS, "attempts.jsonl"):
+            with contextlib.suppress(FileNotFoundError):
+                (run / name).unlink()
 
 
 def test_without_restarts_a_lost_node_ends_the_job_in_seconds_and_is_named(tmp_path: Path) -> None:

@@ -259,8 +259,10 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     if fault is not None and fault["host"] and (first is None or first[0] != fault["host"]):
         first = (fault["host"], code)
     why = fault["why"] if fault is not None and first is not None and fault["host"] == first[0] else ""
+    finished = slurm.teardown(st)
+    kind = "teardown" if finished else fault["kind"] if why and fault else None
     kept = None if first is None else {"host": first[0], "code": first[1], "why": why or f"exit code {first[1]}",
-                                       **({"kind": fault["kind"]} if why and fault else {})}  # fmt: skip
+                                       **({"kind": kind} if kind else {})}  # fmt: skip
     keep_verdict(job, st, code, kept, sink)
     sig = (st.result or {}).get("signal")
     if sig:
@@ -275,8 +277,13 @@ def verdict(job: store.Job, st: slurm.Poll, sink: Sink) -> None:
     host, rc = first
     own, summary = failures.failure_lines(tails.get(host, []))
     what = f"{fault['kind']}: {why}" if why and fault is not None else f"exit code {rc}"
-    sink.note(f"==> run {job.run_id} FAILED: job {slurm_id(job)} {st.state}; first failure on {host} "
-              f"({what}); its last lines:")  # fmt: skip
+    if finished:  # as over ssh: the results are complete, the exit code says so
+        sink.note(f"==> run {job.run_id} finished its work, then crashed in teardown: every rank's script ended, "
+                  f"then a rank on {host} died ({what}); the results are complete; exit {failures.TEARDOWN_EXIT}. "
+                  "Its last lines:")  # fmt: skip
+    else:
+        sink.note(f"==> run {job.run_id} FAILED: job {slurm_id(job)} {st.state}; first failure on {host} "
+                  f"({what}); its last lines:")  # fmt: skip
     for line in own or summary:
         sink.note(f"    {host} {line}")
     who = (
@@ -346,7 +353,7 @@ def recover_files(spec: ResourceSpec) -> dict[str, str]:
     the spec's rules for them (``slurm_failures.CONFIG``)."""
     lc, s = spec.launch, spec.slurm
     assert s is not None
-    files = package_files(SF.PACKAGE_DIR, (SF, failures, mpi_split, P, R, S))
+    files = package_files(SF.PACKAGE_DIR, (SF, failures, mpi_split, P, R))
     files[SF.CONFIG] = json.dumps({"nodes": s.nodes, "restarts": lc.restarts, "restart_on": lc.restart_on,
                                    "min_nodes": spec.min_nodes(), "backoff": lc.restart_backoff})  # fmt: skip
     return files

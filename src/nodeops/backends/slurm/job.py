@@ -157,7 +157,8 @@ def batch_config(loaded: LoadedSpec) -> dict[str, Any]:
              "python_path": PYTHON_PATH, "fabric_args": FABRIC_ARGS, "fabric_config": FABRIC_CONFIG,
              "fabric_doc": FABRIC_DOC, "fabric_report": FABRIC_REPORT, "fabric_gate": FABRIC_GATE_DIR,
              "mpi_split": MPI_SPLIT, "mpi_shim": MPI_SHIM, "mpi_protocol": MPI_PROTOCOL,
-             "recover": SF.PACKAGE_DIR, "step": SF.STEP}  # fmt: skip
+             "recover": SF.PACKAGE_DIR, "step": SF.STEP, "finished_dir": S.FINISHED_DIR,
+             "stacks_dir": S.STACKS_DIR}  # fmt: skip
     return {
         "runner": runner, "signal": s.signal.name if s.signal else None, "max_requeues": s.max_requeues,
         "restarts": spec.launch.restarts if runner == "torchrun" else 0, "max_restarts": spec.launch.max_restarts,
@@ -563,11 +564,33 @@ def outcome(st: Poll) -> str:
     return "hung" if hang_of(st) is not None else "failed"
 
 
+def teardown(st: Poll) -> bool:
+    """Whether a failed job had finished its work: every rank of its last training step ended
+    its script before one crashed in its teardown (recovery.finished_then_crashed). With
+    launch.restarts, the last attempt's kind (the restart rules judged it); else the batch
+    driver's count in result.json (``finished``), for a failure that was no lost node and no hang."""
+    if outcome(st) != "failed":
+        return False
+    attempts = [a for a in (st.recovery or {}).get("attempts") or [] if isinstance(a, dict)]
+    if attempts:
+        return attempts[-1].get("kind") == "teardown"
+    res = st.result or {}
+    counts = res.get("finished")
+    if res.get("lost") or not isinstance(counts, dict) or not counts:
+        return False
+    pairs = [(v[0], v[1]) if isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v) else None
+             for v in counts.values()]  # fmt: skip
+    return R.finished_then_crashed("script", pairs)
+
+
 def exit_code(st: Poll, batch_lines: Sequence[str] = (), tails: Tails | None = None) -> int:
     """What `nodeops launch` exits with for a finished job (failures.exit_code_for): for a
-    failure, the first failing task's code (srun's own exit is often 143 from stopping the others)."""
+    failure, the first failing task's code (srun's own exit is often 143 from stopping the others),
+    or failures.TEARDOWN_EXIT when every rank had finished its work first (:func:`teardown`)."""
     if outcome(st) != "failed":
         return failures.exit_code_for(outcome(st)) or 0
+    if teardown(st):
+        return failures.exit_code_for("failed", kind="teardown") or 1
     first = first_failure(batch_lines, tails)
     code = first[1] if first else st.result.get("exit") if st.result else None
     if not isinstance(code, int):
