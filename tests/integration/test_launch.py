@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeops.node import protocol as P
 from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, SECRET, ssh
@@ -471,11 +472,11 @@ def test_ctrl_c_while_starting_leaves_nothing(
     assert controller_leftovers(run_id) == []
 
 
-def test_chief_container_killed_every_other_rank_gone_within_10s(
+def test_chief_container_killed_every_other_rank_gone_by_the_switch(
     sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
 ) -> None:
-    """The dead man's switch: with the chief (and its supervisor) gone, each host's guard hears
-    no heartbeat and stops its ranks."""
+    """The dead man's switch: with the chief (and its supervisor) gone, each host's guard sees its
+    connection close, or hears no heartbeat for HEARTBEAT_STALE, and stops its ranks."""
     p = launch(project / "cluster.yaml", "--detach", "ddp_train.py", "--steps", "1000", "--sleep", "0.3")
     assert p.returncode == 0, p.stderr[-2000:]
     node1 = sandbox_cluster.nodes[0]
@@ -486,7 +487,7 @@ def test_chief_container_killed_every_other_rank_gone_within_10s(
         assert all(leftovers(sandbox_cluster).values()), "the job never started on every node"
         subprocess.run(["docker", "kill", node1.container], check=True, capture_output=True)
         killed = time.monotonic()
-        deadline = killed + 10
+        deadline = killed + P.HEARTBEAT_STALE + 5
         others = {"node2", "node3"}
         while time.monotonic() < deadline and any(v for k, v in leftovers(sandbox_cluster, HELPERS).items()
                                                   if k in others):  # fmt: skip
@@ -498,7 +499,7 @@ def test_chief_container_killed_every_other_rank_gone_within_10s(
         sandbox._wait_for_sshd(node1.address, time.monotonic() + 60)
     print(f"every rank on node2 and node3 gone {took:.1f}s after the chief's container was killed")
     assert left == {"node2": [], "node3": []}
-    assert took < 10
+    assert took < P.HEARTBEAT_STALE + 5
 
 
 def test_shared_envs_reach_the_job_expanded_as_on_autodist(project: Path, first_run: object, tmp_path: Path) -> None:

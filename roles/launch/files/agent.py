@@ -151,12 +151,14 @@ def host() -> int:
     signal.signal(signal.SIGHUP, on_signal)
     started = time.monotonic()
     seen_beat, beat_at = mtime(P.HEARTBEAT), time.monotonic()  # staleness on this clock, not the wall's
+    slept = 0.0
     while True:
         rc = job.poll()
         if rc is not None:
             break
         beat = mtime(P.HEARTBEAT)
         now = time.monotonic()
+        beat_at += P.late(0.2, slept, now) if slept else 0.0  # this host was not running: no one's silence
         if beat != seen_beat:
             seen_beat, beat_at = beat, now
         lost = stopping[0] if stopping else ""
@@ -169,6 +171,7 @@ def host() -> int:
             kill_run(lost)
             rc = job.wait()
             break
+        slept = time.monotonic()
         time.sleep(0.2)
     write_atomic(P.EXIT, str(rc if rc >= 0 else 128 - rc))
     log(f"job ended: {rc}")
@@ -309,7 +312,9 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
     stopped = False
     buf = b""
     while True:
+        asked = time.monotonic()
         ready = select.select([0], [], [], 0.2)[0]
+        last_beat += P.late(0.2, asked, time.monotonic())  # this host was not running: no one's silence
         # The log first: a failure printed before a stop arrives is reported, not lost to the stop.
         if agent_final or pdsh or (watch_progress and not ranks_up):
             for line in scan.lines():

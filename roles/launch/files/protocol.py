@@ -51,7 +51,12 @@ LEFT = "@@nodeops-left "  # kill: "@@nodeops-left N" processes survived SIGKILL
 
 # Timings (seconds).
 HEARTBEAT_EVERY = 1.0  # supervisor -> every guard
-HEARTBEAT_STALE = 5.0  # a guard (or agent) that hears nothing this long stops the job
+# A guard (or agent) that hears nothing this long stops the job: the dead man's switch for a chief
+# that died or vanished (its ranks' peers fail in their collectives anyway; the switch cleans up).
+# 5 s was shorter than a CPU-starved chief keeps (32 sandbox nodes on 2 cores: a healthy run was
+# stopped), and time the host itself did not run (LATE) is not counted (:func:`late`).
+HEARTBEAT_STALE = 15.0
+LATE = 1.0  # a sleep that overran by this much: the host (or this process) was not running meanwhile
 ATTACH_DEADLINE = 150.0  # a job that no supervisor attached to within this is stopped (> the start budget)
 GRACE = 2.0  # SIGTERM, then this long, then SIGKILL
 RESULT_WAIT = 20.0  # how long the controller waits for result.json after the last host ended
@@ -108,3 +113,11 @@ def log_lines(text: str) -> list[str]:
 
 def run_dir(run_id: str) -> str:
     return f"{RUNS_DIR}/{run_id}"
+
+
+def late(asked: float, began: float, now: float) -> float:
+    """How long a wait of ``asked`` seconds begun at ``began`` (monotonic) overran, when by more
+    than LATE: this process was not running (a starved or frozen host), so that time is no
+    evidence of anyone's silence. 0 otherwise."""
+    over = now - began - asked
+    return over if over > LATE else 0.0

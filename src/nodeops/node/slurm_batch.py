@@ -58,7 +58,7 @@ DS_SHELL = (
 # and its end. A node heard before whose task goes silent without its end is lost: its machine
 # or its network is gone (srun would wait its --wait for that task, then 12 s more).
 BEAT_EVERY = 1.0
-LOST_AFTER = 5.0  # silent this long: lost (the ssh guards' own HEARTBEAT_STALE)
+LOST_AFTER = 5.0  # silent this long: lost
 # silent this long once another node's task failed: srun is then stopping every task, and a live
 # node's task either says its end or is killed by Slurm, which srun hears at once (its step ends)
 LOST_QUICK = 3.0

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from nodeops.node import agent as agent_mod
+from nodeops.node import protocol as P
 from nodeops.node import stacks as S
 
 LAUNCH = Path(agent_mod.__file__).parent
@@ -138,7 +139,7 @@ def test_a_lost_host_stops_every_host(tmp_path: Path) -> None:
     res = result_of(chief, sup)
     assert res["outcome"] == "failed"
     assert res["first_failure"]["host"] == "h2" and "lost" in res["first_failure"]["why"]  # type: ignore[index]
-    assert wait_clean(dirs, 10) == []  # h2's own agent stops its job: its heartbeat went stale
+    assert wait_clean(dirs, P.HEARTBEAT_STALE + 6) == []  # h2's own agent stops its job: its heartbeat went stale
 
 
 def wait_watching(chief: Path, hosts: tuple[str, ...]) -> None:
@@ -152,7 +153,7 @@ def wait_watching(chief: Path, hosts: tuple[str, ...]) -> None:
     time.sleep(1.5)
 
 
-def test_dead_chief_every_job_stops_within_10s_by_its_own_agent(tmp_path: Path) -> None:
+def test_dead_chief_every_job_stops_by_its_own_agent(tmp_path: Path) -> None:
     """The dead man's switch on each host: the guards and the supervisor die at once (a dead
     chief); each host's agent hears no heartbeat and stops its job by itself."""
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
@@ -164,14 +165,14 @@ def test_dead_chief_every_job_stops_within_10s_by_its_own_agent(tmp_path: Path) 
             os.kill(int(line.split()[0]), signal.SIGKILL)
     os.killpg(sup.pid, signal.SIGKILL)
     sup.wait()
-    assert wait_clean(dirs, 10) == []
+    assert wait_clean(dirs, P.HEARTBEAT_STALE + 6) == []
     took = time.monotonic() - t0
     print(f"every job gone {took:.1f}s after the chief died")
-    assert took < 10
+    assert took < P.HEARTBEAT_STALE + 6
     assert "no heartbeat" in (dirs[1] / "lost").read_text()
 
 
-def test_silent_supervisor_its_guards_stop_the_jobs_within_10s(tmp_path: Path) -> None:
+def test_silent_supervisor_its_guards_stop_the_jobs(tmp_path: Path) -> None:
     """A chief that vanishes from the network sends no EOF: the guards stop on silence."""
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
     sup = start(dirs)
@@ -179,7 +180,7 @@ def test_silent_supervisor_its_guards_stop_the_jobs_within_10s(tmp_path: Path) -
     t0 = time.monotonic()
     os.kill(sup.pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + P.HEARTBEAT_STALE + 5
         while any("sleep 300" in line for line in ours(dirs)) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any("sleep 300" in line for line in ours(dirs))
@@ -188,6 +189,30 @@ def test_silent_supervisor_its_guards_stop_the_jobs_within_10s(tmp_path: Path) -
         os.kill(sup.pid, signal.SIGKILL)
         sup.wait()
     assert wait_clean(dirs, 5) == []
+
+
+def test_a_host_that_did_not_run_for_longer_than_the_switch_goes_on(tmp_path: Path) -> None:
+    """A frozen (or CPU-starved) chief: the supervisor, its guards, the agents and the jobs all
+    stop running for longer than HEARTBEAT_STALE, then go on. The silence was no one's: each
+    guard and agent sees its own wait overrun (protocol.late) and does not count it, and the run
+    goes on."""
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    sup = start(dirs)
+    wait_watching(chief, ("h1", "h2"))
+    frozen = [int(line.split()[0]) for line in ours(dirs)]
+    assert len(frozen) >= 5, frozen  # the supervisor, 2 guards, 2 agents (and their jobs)
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(P.HEARTBEAT_STALE + 2)
+    for pid in frozen:
+        os.kill(pid, signal.SIGCONT)
+    time.sleep(3)
+    assert sum("sleep 300" in line for line in ours(dirs)) == 2, ours(dirs)
+    assert not any((d / "lost").exists() for d in dirs)
+    (chief / "stop_request").touch()
+    res = result_of(chief, sup)
+    assert res["outcome"] == "stopped", res
+    assert wait_clean(dirs) == []
 
 
 def test_stop_request_stops_all_and_says_so(tmp_path: Path) -> None:
