@@ -48,6 +48,7 @@ STARTED = "@@nodeops-started"
 EXIT_MARK = "@@nodeops-exit "  # follow.sh: "@@nodeops-exit CODE" / "killed" / "never-started"
 STOPPED = "@@nodeops-stopped"  # kill: nothing of the run is left on this host
 LEFT = "@@nodeops-left "  # kill: "@@nodeops-left N" processes survived SIGKILL
+STATE = "@@nodeops-state "  # kill: the host's state after it (agent.py status), for `nodeops stop`'s table
 
 # Timings (seconds).
 HEARTBEAT_EVERY = 1.0  # supervisor -> every guard

@@ -215,6 +215,42 @@ def test_a_host_that_did_not_run_for_longer_than_the_switch_goes_on(tmp_path: Pa
     assert wait_clean(dirs) == []
 
 
+# A rank that saves its work on SIGTERM (0.5 s) under a launcher whose own ending takes 1.5 s
+# (torchrun's shutdown and interpreter teardown: CPU-bound, ~0.6 s a node, longer when starved)
+SLOW_RANK = """import signal, sys, time
+def saved(*_):
+    time.sleep(0.5)
+    open("saved", "w").write("1")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, saved)
+open("rank-up", "w").write("1")
+while True:
+    time.sleep(0.1)
+"""
+SLOW_LAUNCHER = """trap 'sleep 1.5; : > launcher-ended; exit 143' TERM
+RANK=0 {python} rank.py &
+wait
+"""
+
+
+def test_a_stop_waits_for_the_ranks_not_for_the_launchers_own_ending(tmp_path: Path) -> None:
+    """After the SIGTERM, the agent waits (up to GRACE) for the ranks that were alive: each may
+    save its work. Once they have ended, what is left (the launcher ending) is SIGKILLed at once."""
+    chief, dirs = make_run(tmp_path, {"h1": SLOW_LAUNCHER.format(python=sys.executable)})
+    (dirs[0] / "rank.py").write_text(SLOW_RANK)
+    sup = start(dirs)
+    deadline = time.monotonic() + 20
+    while not (dirs[0] / "rank-up").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (chief / "stop_request").touch()
+    res = result_of(chief, sup)
+    assert res["outcome"] == "stopped", res
+    assert wait_clean(dirs) == []
+    assert (dirs[0] / "saved").exists()  # the rank's SIGTERM handler ran to its end
+    time.sleep(2)  # (the launcher's ending would have written its file by now)
+    assert not (dirs[0] / "launcher-ended").exists()  # SIGKILLed once its rank had ended, before GRACE
+
+
 def test_stop_request_stops_all_and_says_so(tmp_path: Path) -> None:
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
     sup = start(dirs)

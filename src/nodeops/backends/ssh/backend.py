@@ -552,8 +552,12 @@ class SshBackend(Backend):
             # verdict says when it stopped everything, and only then is the kill below final
             wait = 15 + (60 if job.handle.get(RESTARTS) else 0)
             ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=wait)
-        problems = {h: why for h, why in ssh_run.teardown(job.ssh_config, job.kill_hosts, job.run_id).items() if why}
-        states = ssh_run.host_states(job)
+        stopped = ssh_run.stop_hosts(job.ssh_config, job.kill_hosts, job.run_id)
+        problems = {h: why for h, (why, _) in stopped.items() if why}
+        # each host's state came with its kill's answer; a host that gave none is asked (or named unreachable)
+        states = {h: state or (why if why.startswith("unreachable") else "") for h, (why, state) in stopped.items()}
+        if not all(states.values()):
+            states = ssh_run.host_states(job)
         for host, state in states.items():
             sink.out(f"{host:12} {state}" + (f"  ({problems[host]})" if host in problems else ""))
         left = [h for h, s in states.items() if s.startswith("running")]

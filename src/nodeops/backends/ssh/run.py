@@ -141,22 +141,31 @@ def teardown(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, s
 
     Returns host -> "" when kill.sh confirmed that nothing of the run is left there, else why
     not (unreachable, with ssh's reason; or how many processes survived)."""
+    return {h: why for h, (why, _state) in stop_hosts(ssh_config, hosts, run_id).items()}
+
+
+def stop_hosts(ssh_config: Path, hosts: Sequence[str], run_id: str) -> dict[str, tuple[str, str]]:
+    """:func:`teardown`, with each host's state after it as ``agent.py status`` says it (running,
+    exited CODE, killed, idle...; "missing" without the run's dir; "" when the host said none):
+    host -> (why not confirmed, or "", state)."""
     # A host that never got the run's files has nothing of it to stop.
     d = sh_word(remote_dir(run_id))
-    script = f"test -d {d} || {{ echo {P.STOPPED}; exit 0; }}; exec bash {d}/kill.sh"
+    missing = sh_word(P.STATE + "missing")
+    script = f"test -d {d} || {{ echo {P.STOPPED}; echo {missing}; exit 0; }}; exec bash {d}/kill.sh"
 
-    def kill(host: str) -> str:
+    def kill(host: str) -> tuple[str, str]:
         try:
             p = subprocess.run(ssh_argv(ssh_config, host, script), capture_output=True, text=True,
                                timeout=30, check=False, start_new_session=True)  # fmt: skip
         except subprocess.TimeoutExpired:
-            return "unreachable: kill.sh did not answer within 30s"
+            return "unreachable: kill.sh did not answer within 30s", ""
+        state = next((ln[len(P.STATE) :].strip() for ln in p.stdout.splitlines() if ln.startswith(P.STATE)), "")
         if P.STOPPED in p.stdout:
-            return ""
+            return "", state
         left = re.search(re.escape(P.LEFT) + r"(\d+)", p.stdout)
         if left:
-            return f"{left.group(1)} process(es) of the run survived SIGKILL"
-        return "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
+            return f"{left.group(1)} process(es) of the run survived SIGKILL", state
+        return "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}"), ""
 
     return fan_out(hosts, kill)
 
