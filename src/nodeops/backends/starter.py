@@ -17,8 +17,11 @@ contains ``@@HOME@@`` literally would be expanded too.
 from __future__ import annotations
 
 import base64
+import io
 import json
 import subprocess
+import tarfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,14 +153,21 @@ def host_files(
 
 
 def bundle(run_id: str, files: list[RunFile]) -> str:
-    """A bash script that writes the files into the run dir and runs start.sh (stdin of ssh)."""
-    lines = ["set -eu", "umask 077", f'd="$HOME/.nodeops/runs/{run_id}"', 'mkdir -p "$d"', 'chmod 700 "$d"',
-             'cd "$d"']  # fmt: skip
-    for f in files:
-        b64 = base64.b64encode(f.content.encode()).decode()
-        lines.append(f"printf '%s' '{b64}' | base64 -d > {sh_word(f.name)}")
-        lines.append(f"chmod {f.mode} {sh_word(f.name)}")
-    lines.append("exec bash start.sh")
+    """A bash script that writes the files into the run dir and runs start.sh (stdin of ssh): the
+    files as one gzipped tar, base64 in the script, unpacked by one ``tar`` with their modes (two
+    processes a host, where a printf, base64 and chmod per file took ~0.4 s of a busy node's start)."""
+    buf = io.BytesIO()
+    now = int(time.time())
+    with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.GNU_FORMAT) as tar:
+        for f in files:
+            data = f.content.encode()
+            info = tarfile.TarInfo(f.name)
+            info.size, info.mode, info.mtime = len(data), int(f.mode, 8), now
+            tar.addfile(info, io.BytesIO(data))
+    b64 = base64.b64encode(buf.getvalue()).decode()
+    lines = ["set -euo pipefail", "umask 077", f'd="$HOME/.nodeops/runs/{run_id}"', 'mkdir -p "$d"', 'chmod 700 "$d"',
+             'cd "$d"', f"printf '%s' '{b64}' | base64 -d | tar -xzpf - --no-same-owner",
+             "exec bash start.sh"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -52,7 +52,7 @@ def test_every_host_gets_its_agent_and_only_the_chief_the_supervisor() -> None:
 def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: Path) -> None:
     """The bundle that ssh pipes to `bash -s`, run locally with HOME pointing to a temp dir."""
     job = "#!/usr/bin/env bash\necho hello from $NODEOPS_TEST\nexit 3\n"
-    files = [starter.RunFile("job.sh", job, "0700")]
+    files = [starter.RunFile("job.sh", job, "0700"), starter.RunFile("shim.sh", "exec \"$@\"\n", "0755")]
     loaded = load_spec_text(SPEC)
     plan = launchers.plan(loaded.spec, ["x"], "20261122-101500-ab12")
     shipped = [f for f in starter.host_files(loaded, plan, "20261122-101500-ab12", {"hosts": []})["10.0.0.2"]
@@ -64,6 +64,8 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     assert P.STARTED in p.stdout
     d = tmp_path / ".nodeops" / "runs" / "20261122-101500-ab12"
     assert oct(d.stat().st_mode & 0o777) == "0o700"
+    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in d.iterdir() if f.name in ("job.sh", "shim.sh", "agent.py")}
+    assert modes == {"job.sh": "0o700", "shim.sh": "0o755", "agent.py": "0o600"}, modes  # (under umask 077)
     deadline = time.monotonic() + 10
     while not (d / "exit_code").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
