@@ -59,6 +59,7 @@ typer.core.TyperArgument._usage_display_name = _usage_name  # type: ignore[metho
 
 EPILOG = (
     "Exit codes: 0 ok; 1 a host or check failed; 2 bad spec, hostfile or usage (nothing was run); "
+    "3 the run finished its work, then a rank crashed in its teardown (the results are complete); "
     "124 hung (the hang watchdog stopped the run); 130 interrupted."
 )
 CONTEXT = {"help_option_names": ["-h", "--help"]}
