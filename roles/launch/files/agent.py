@@ -392,9 +392,22 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
 
 
 # --------------------------------------------------------------------------- restarts
+def end_warming() -> None:
+    """A spare's warm-up (``spare-job.sh --warm``, started at launch) ends before the spare is
+    checked or used: it only filled the page cache."""
+    warm = [pid for pid in tagged_pids() if S.environ(pid).get("NODEOPS_WARM") == "1"]
+    for pid in warm:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 2
+    while warm and set(warm) & set(tagged_pids()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def preflight() -> str:
     """Before an attempt starts here: nothing of the run is still alive, and the job's workdir,
     env and command are there (``job.sh --preflight``). '' when ready, else why not."""
+    end_warming()
     left = tagged_pids()
     if left:
         return f"{len(left)} process(es) of the run are still alive here"
@@ -415,6 +428,7 @@ def begin(attempt: int, env_text: str, marker: str) -> str:
     (its log, exit code, pgid, ...) moves to ``attempts/<attempt - 1>/``, a spare's job becomes
     job.sh, ``attempt.env`` gets this attempt's values and the log starts with ``marker``. Then
     start.sh starts the job as for the first attempt. '' when done, else why not."""
+    end_warming()
     if tagged_pids():
         return "processes of the run are still alive here"
     old = os.path.join(HERE, P.ATTEMPTS_DIR, str(attempt - 1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,7 +53,7 @@ def test_every_host_gets_its_agent_and_only_the_chief_the_supervisor() -> None:
 def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: Path) -> None:
     """The bundle that ssh pipes to `bash -s`, run locally with HOME pointing to a temp dir."""
     job = "#!/usr/bin/env bash\necho hello from $NODEOPS_TEST\nexit 3\n"
-    files = [starter.RunFile("job.sh", job, "0700"), starter.RunFile("shim.sh", "exec \"$@\"\n", "0755")]
+    files = [starter.RunFile("job.sh", job, "0700"), starter.RunFile("shim.sh", 'exec "$@"\n', "0755")]
     loaded = load_spec_text(SPEC)
     plan = launchers.plan(loaded.spec, ["x"], "20261122-101500-ab12")
     shipped = [f for f in starter.host_files(loaded, plan, "20261122-101500-ab12", {"hosts": []})["10.0.0.2"]
@@ -76,3 +77,58 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     again = subprocess.run(["bash", str(d / "start.sh")], capture_output=True, text=True, check=True,
                            env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
     assert P.STARTED in again.stdout and (d / "host.log").read_text() == "hello from t1\n"
+
+
+SPARE_SPEC = """
+nodes:
+  - {address: 10.0.0.1, chief: true, cpus: [0]}
+  - {address: 10.0.0.2, cpus: [0]}
+  - {address: 10.0.0.3, cpus: [0], spare: true}
+python: {venv: ~/.venvs/t}
+workdir: {path: WORKDIR}
+launch: {restarts: 1}
+"""
+# the venv's python3, standing in: it says how it was called, then takes its time (an import)
+FAKE_PYTHON = '#!/bin/bash\necho "$@" > "$HOME/warm-args"\necho "nice $(nice)" >> "$HOME/warm-args"\nexec sleep 60\n'
+
+
+def test_a_spare_warms_its_env_once_and_its_preflight_ends_the_warm_up(tmp_path: Path) -> None:
+    """A spare imports what every torchrun rank will (starter.WARM_MODULES) once at launch, at low
+    priority, as a process of the run (a stop ends it); the spare's preflight ends it first."""
+    work = tmp_path / "work"
+    work.mkdir()
+    _, files = files_for(SPARE_SPEC.replace("WORKDIR", str(work)), ["train.py"])
+    spare = next(h for h, fs in files.items() if any(f.name == P.SPARE_JOB for f in fs))
+    assert not any(f.name == P.SPARE_JOB for h, fs in files.items() if h != spare for f in fs)
+    fake_bin, venv = tmp_path / "fake-bin", tmp_path / ".venvs" / "t" / "bin"
+    for d in (fake_bin, venv):
+        d.mkdir(parents=True)
+    (fake_bin / "python3").write_text(FAKE_PYTHON)
+    (fake_bin / "python3").chmod(0o755)
+    (venv / "activate").write_text(f'PATH="{fake_bin}:$PATH"\n')
+    env = {**os.environ, "HOME": str(tmp_path)}
+    p = subprocess.run(["bash", "-s"], input=starter.bundle("20261122-101500-ab12", files[spare]), env=env,
+                       capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+    assert p.returncode == 0 and P.STARTED in p.stdout, p.stderr
+    d = tmp_path / ".nodeops" / "runs" / "20261122-101500-ab12"
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "warm-args").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    said = (tmp_path / "warm-args").read_text()  # (the program has lines of its own)
+    assert said.startswith("-c import importlib") and said.endswith(f" {' '.join(starter.WARM_MODULES)}\nnice 19\n")
+    tag = f"{P.TAG_VAR}=20261122-101500-ab12"
+    warm = [pid for pid in os.listdir("/proc") if pid.isdigit() and _environ_has(pid, tag)]
+    assert warm, "the warm-up does not carry the run's tag"
+    # start.sh again (safe to run twice) does not warm again; the preflight ends the warm-up
+    subprocess.run(["bash", str(d / "start.sh")], env=env, capture_output=True, check=True)
+    pre = subprocess.run([sys.executable, str(d / "agent.py"), "preflight"], env=env, capture_output=True,
+                         text=True, timeout=30, check=False)  # fmt: skip
+    assert not [pid for pid in os.listdir("/proc") if pid.isdigit() and _environ_has(pid, tag)]
+    assert "still alive" not in pre.stdout, pre.stdout
+
+
+def _environ_has(pid: str, entry: str) -> bool:
+    try:
+        return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
