@@ -488,6 +488,10 @@ def main(argv: list[str]) -> int:
     if mode == "status":
         print(status())
         return 0
+    if mode == "unwarm":  # the run has ended: a spare's warm-up with it
+        end_warming()
+        print(P.STOPPED)
+        return 0
     if mode == "preflight":
         why = preflight()
         print(R.BEGUN if not why else f"@@nodeops-not-ready {why}")
@@ -496,7 +500,7 @@ def main(argv: list[str]) -> int:
         why = begin(int(argv[2]), argv[3], argv[4])
         print(R.BEGUN if not why else f"@@nodeops-not-ready {why}")
         return 0
-    sys.stderr.write("usage: agent.py host|guard|stacks|kill|status|preflight|begin\n")
+    sys.stderr.write("usage: agent.py host|guard|stacks|kill|status|unwarm|preflight|begin\n")
     return 2
 
 

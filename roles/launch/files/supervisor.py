@@ -640,6 +640,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             log("attempt start failed: " + "; ".join(f"{h}: {w}" for h, w in start_failed.items()))
         else:
             log(f"attempt {n + 1} started on {', '.join(names)}")
+    if spares:  # the spares left unused: their warm-up (spare-job.sh --warm) ends with the run
+        on_each(spares, run_id, lambda _h: ["python3", "agent.py", "unwarm"], 15, ok=P.STOPPED)
     result = dict(result)
     if restarts:
         for a in attempts:
