@@ -155,19 +155,23 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     hang_timeout = float(cfg.get("hang_timeout") or 0)
     flags = (["--agent-final"] if cfg.get("agent_final") else []) + (["--pdsh"] if cfg.get("pdsh") else [])
     flags += ["--watch-progress"]  # progress is the timeline's too (when training ran), not only the watchdog's
-    links = [Link(h, run_id, flags) for h in hosts]
-    by_address = {lk.address: lk for lk in links}
-    events: queue.Queue[tuple[Link, str | None]] = queue.Queue()
-    for lk in links:
-        threading.Thread(target=read_events, args=(lk, events), daemon=True).start()
+    # The heartbeat flows to each guard from the moment it is started: starting the guards one
+    # by one took longer than HEARTBEAT_STALE on a CPU-starved chief (32 sandbox nodes on 2 cores),
+    # and the first guard, which had heard nothing yet, stopped the run.
+    links: list[Link] = []
     done = threading.Event()
 
     def heartbeat() -> None:
         while not done.wait(P.HEARTBEAT_EVERY):
-            for lk in links:
+            for lk in list(links):
                 lk.send("")
 
     threading.Thread(target=heartbeat, daemon=True).start()
+    events: queue.Queue[tuple[Link, str | None]] = queue.Queue()
+    for h in hosts:
+        links.append(Link(h, run_id, flags))
+        threading.Thread(target=read_events, args=(links[-1], events), daemon=True).start()
+    by_address = {lk.address: lk for lk in links}
     first: dict[str, Any] | None = None
     stopping_since: float | None = None  # a failure or a stop request: the teardown's clock
     sweep_since: float | None = None  # every job ended: job-less hosts are swept
