@@ -54,8 +54,8 @@ STATE = "@@nodeops-state "  # kill: the host's state after it (agent.py status),
 HEARTBEAT_EVERY = 1.0  # supervisor -> every guard
 # A guard (or agent) that hears nothing this long stops the job: the dead man's switch for a chief
 # that died or vanished (its ranks' peers fail in their collectives anyway; the switch cleans up).
-# 5 s was shorter than a CPU-starved chief keeps (32 sandbox nodes on 2 cores: a healthy run was
-# stopped), and time the host itself did not run (LATE) is not counted (:func:`late`).
+# It was 5 s; 15 s leaves a CPU-starved chief margin, and time the host itself did not run (LATE)
+# is not counted (:func:`late`).
 HEARTBEAT_STALE = 15.0
 LATE = 1.0  # a sleep that overran by this much: the host (or this process) was not running meanwhile
 ATTACH_DEADLINE = 150.0  # a job that no supervisor attached to within this is stopped (> the start budget)
