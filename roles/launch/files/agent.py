@@ -107,7 +107,7 @@ def kill_run(why: str) -> int:
     the SIGTERM has ended: what is left then is the launcher's own ending (torchrun's shutdown and
     interpreter teardown took 0.6 s of CPU per node, 2 s with 8 sandbox nodes on 2 cores) and
     what the ranks left behind. Returns how many survived."""
-    ranks = [pid for _, pid in S.ranks(tagged_pids())]
+    ranks = {pid for _, pid in S.ranks(tagged_pids())}
     pg = read(P.PGID)
     if pg and pg.isdigit() and read(P.EXIT) is None and leader_is_ours(int(pg)):
         if not os.path.exists(path(P.KILLED)):
@@ -117,8 +117,12 @@ def kill_run(why: str) -> int:
     deadline = time.monotonic() + P.GRACE
     while time.monotonic() < deadline:
         alive = tagged_pids()
-        if not alive or (ranks and not set(ranks) & set(alive)):
+        if not alive:
             break
+        now = {pid for _, pid in S.ranks(alive)}  # a rank started meanwhile, or one under a wrapper
+        if ranks and not now and not ranks & set(alive):
+            break
+        ranks |= now
         time.sleep(0.05)
     for pid in tagged_pids():
         with contextlib.suppress(OSError):
@@ -395,12 +399,14 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
 def end_warming() -> None:
     """A spare's warm-up (``spare-job.sh --warm``, started at launch) ends before the spare is
     checked or used: it only filled the page cache."""
-    warm = [pid for pid in tagged_pids() if S.environ(pid).get("NODEOPS_WARM") == "1"]
-    for pid in warm:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 2
-    while warm and set(warm) & set(tagged_pids()) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:  # again until none is left: one may have just started a child
+        warm = [pid for pid in tagged_pids() if S.environ(pid).get("NODEOPS_WARM") == "1"]
+        if not warm:
+            return
+        for pid in warm:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
 
 

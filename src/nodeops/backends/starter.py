@@ -173,7 +173,7 @@ def bundle(run_id: str, files: list[RunFile]) -> str:
             tar.addfile(info, io.BytesIO(data))
     b64 = base64.b64encode(buf.getvalue()).decode()
     lines = ["set -euo pipefail", "umask 077", f'd="$HOME/.nodeops/runs/{run_id}"', 'mkdir -p "$d"', 'chmod 700 "$d"',
-             'cd "$d"', f"printf '%s' '{b64}' | base64 -d | tar -xzpf - --no-same-owner",
+             'cd "$d"', f"printf '%s' '{b64}' | base64 -d | tar -xzpmf - --no-same-owner",
              "exec bash start.sh"]  # fmt: skip
     return "\n".join(lines) + "\n"
 

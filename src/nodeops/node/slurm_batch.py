@@ -347,14 +347,23 @@ def finished_ranks(run_dir: str, files: dict[str, str], nodes: Sequence[str], si
     shared run dir holds every node's. The restart rules and the run's exit code tell "finished,
     then crashed in teardown" by them (agent.finished_ranks counts the same over ssh)."""
 
-    def count(d: str, node: str) -> int:
+    def marks(d: str) -> set[str]:
+        """The marks of this step (by mtime) in one listing of ``d``."""
         try:
-            names = [n for n in os.listdir(os.path.join(run_dir, d)) if n.startswith(node + "-")]
+            names = os.listdir(os.path.join(run_dir, d))
         except OSError:
-            return 0
-        return sum(1 for n in names if os.path.getmtime(os.path.join(run_dir, d, n)) >= since - 1)
+            return set()
+        out = set()
+        for n in names:
+            with contextlib.suppress(OSError):  # gone meanwhile, or a stale handle: not counted
+                if os.path.getmtime(os.path.join(run_dir, d, n)) >= since - 1:
+                    out.add(n)
+        return out
 
-    return {n: [count(files["finished_dir"], n), count(files["stacks_dir"], n)] for n in nodes}
+    started = marks(files["stacks_dir"])
+    ended = marks(files["finished_dir"]) & started  # a rank counts as ended only where it counts as started
+    return {n: [sum(1 for m in ended if m.startswith(n + "-")), sum(1 for m in started if m.startswith(n + "-"))]
+            for n in nodes}  # fmt: skip
 
 
 def hang_times(path: str) -> dict[str, float]:
@@ -999,7 +1008,9 @@ class Batch:
     def finish(self, rc: int, hung: bool) -> int:
         """The run's result, and with slurm.max_requeues, the requeue of a failed run."""
         limit = self.cfg["max_requeues"]
-        requeue = bool(limit and rc != 0 and self.restart < limit)
+        finished = bool(self.finished) and all(up > 0 and done >= up for done, up in self.finished.values())
+        # a run whose every rank had finished its work before one crashed in teardown is not run again
+        requeue = bool(limit and rc != 0 and self.restart < limit and not (finished and self.lost is None and not hung))
         res = ended(rc, self.restart, self.got_signal, requeued=requeue, hung=hung)
         if self.times:  # the last training step's timeline, and the node it lost
             res["times"] = self.times

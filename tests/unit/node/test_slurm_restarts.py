@@ -6,6 +6,7 @@ node's container killed on a real Slurm, is tests/integration/test_slurm.py."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -519,6 +520,10 @@ def test_a_job_that_finished_then_crashed_in_teardown_exits_3_and_is_not_run_aga
         st = slurm.Poll("FAILED", "", "134:0", "node[1-2]", result=res, recovery=recovery)
         assert slurm.teardown(st) is not bool(unfinished)
         assert slurm.exit_code(st) == (134 if unfinished else 3)
+        if not restarts:  # ranks that ended on the time limit or a preemption did not crash in teardown
+            for other in (dataclasses.replace(st, state="TIMEOUT"),
+                          dataclasses.replace(st, result=dict(res, signal="SIGUSR1"))):  # fmt: skip
+                assert slurm.teardown(other) is False
         if restarts:
             kinds = [a.get("kind") for a in recovery["attempts"]]  # type: ignore[index]
             assert kinds == (["signal"] if unfinished else ["teardown"]), recovery  # (restart_on: infra)

@@ -564,6 +564,11 @@ def outcome(st: Poll) -> str:
     return "hung" if hang_of(st) is not None else "failed"
 
 
+# Final states whose ranks may all have ended their script (a signal handler's checkpoint, then
+# sys.exit) without any crash: never "finished, then crashed in teardown"
+NOT_A_CRASH = ("TIMEOUT", "PREEMPTED", "NODE_FAIL", "DEADLINE", "OUT_OF_MEMORY", "BOOT_FAIL", "CANCELLED")
+
+
 def teardown(st: Poll) -> bool:
     """Whether a failed job had finished its work: every rank of its last training step ended
     its script before one crashed in its teardown (recovery.finished_then_crashed). With
@@ -576,8 +581,8 @@ def teardown(st: Poll) -> bool:
         return attempts[-1].get("kind") == "teardown"
     res = st.result or {}
     counts = res.get("finished")
-    if res.get("lost") or not isinstance(counts, dict) or not counts:
-        return False
+    if res.get("lost") or res.get("signal") or st.state in NOT_A_CRASH or not isinstance(counts, dict) or not counts:
+        return False  # a lost node, the time-limit signal, a preemption: the ranks ended on them
     pairs = [(v[0], v[1]) if isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v) else None
              for v in counts.values()]  # fmt: skip
     return R.finished_then_crashed("script", pairs)
