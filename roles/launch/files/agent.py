@@ -107,7 +107,7 @@ def kill_run(why: str) -> int:
     the SIGTERM has ended: what is left then is the launcher's own ending (torchrun's shutdown and
     interpreter teardown took 0.6 s of CPU per node, 2 s with 8 sandbox nodes on 2 cores) and
     what the ranks left behind. Returns how many survived."""
-    ranks = {pid for _, pid in S.ranks(tagged_pids())}
+    ranks = {pid for _rank, pid in S.ranks(tagged_pids())}
     pg = read(P.PGID)
     if pg and pg.isdigit() and read(P.EXIT) is None and leader_is_ours(int(pg)):
         if not os.path.exists(path(P.KILLED)):
@@ -119,7 +119,7 @@ def kill_run(why: str) -> int:
         alive = tagged_pids()
         if not alive:
             break
-        now = {pid for _, pid in S.ranks(alive)}  # a rank started meanwhile, or one under a wrapper
+        now = {pid for _rank, pid in S.ranks(alive)}  # a rank started meanwhile, or one under a wrapper
         if ranks and not now and not ranks & set(alive):
             break
         ranks |= now
