@@ -18,4 +18,6 @@ echo "==> docs (generated references current; mkdocs build --strict)"
 python scripts/docs_gen.py --check
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q
 echo "==> docker";   bash scripts/ensure-docker.sh   # integration tests run real sshd containers
-echo "==> pytest";   pytest "$@"
+# Four workers: the integration tests all on one (they share the sandboxes; tests/conftest.py
+# groups them), the unit tests on the others meanwhile. NODEOPS_TEST_WORKERS=0 runs one process.
+echo "==> pytest";   pytest -n "${NODEOPS_TEST_WORKERS:-4}" --dist loadgroup "$@"

@@ -14,6 +14,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-golden", action="store_true", help="Rewrite golden files from the current output.")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (scripts/test.sh runs ``-n 4 --dist loadgroup``), every integration test
+    runs on one worker, in file order: they share the Docker sandboxes and their module and
+    session fixtures, and their timings assume the machine's cores. The unit tests spread over
+    the other workers meanwhile (many of them wait on real clocks: heartbeats, stalls)."""
+    integration = ROOT / "tests" / "integration"
+    for item in items:
+        if item.path.is_relative_to(integration):
+            item.add_marker(pytest.mark.xdist_group("sandbox"))
+
+
 @pytest.fixture
 def update_golden(request: pytest.FixtureRequest) -> bool:
     return bool(request.config.getoption("--update-golden"))
