@@ -180,8 +180,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     # In parallel, a few at a time: each start waits for its ssh to be exec'd, and on a starved
     # chief one by one took ~1 s each (34 s for 32 guards before the last one was watching).
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(GUARD_STARTERS, max(1, len(hosts)))) as pool:
-        started = list(pool.map(start_guard, hosts))
-    links[:] = started  # the hosts' order (results, the first failure's ties)
+        in_order = list(pool.map(start_guard, hosts))
+    links[:] = in_order  # the hosts' order (results, the first failure's ties)
     by_address = {lk.address: lk for lk in links}
     first: dict[str, Any] | None = None
     stopping_since: float | None = None  # a failure or a stop request: the teardown's clock
