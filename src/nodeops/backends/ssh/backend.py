@@ -542,22 +542,28 @@ class SshBackend(Backend):
                 emit(host, line)
 
     def stop(self, job: store.Job, sink: Sink) -> None:
-        ended = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
+        ended, asked = ssh_run.verdict_or_stop(job.ssh_config, job.chief, job.run_id)
+        confirmed: dict[str, str] = {}
         if ended is not None:
             sink.note(f"run {job.run_id} had already ended ({store.describe(ended)}); confirming nothing is left")
-        # The supervisor stops every host and records the run as stopped; kill on every host then
-        # confirms (and does it alone when the chief cannot be reached).
-        elif ssh_run.request_stop(job.ssh_config, job.chief, job.run_id):
+        # The supervisor stops every host and records the run as stopped; its guards confirm that
+        # nothing is left where they stopped it. kill on every other host then confirms (and does
+        # it alone when the chief cannot be reached).
+        elif asked:
             # with restarts the supervisor may be between attempts (a preflight, a start): its
             # verdict says when it stopped everything, and only then is the kill below final
             wait = 15 + (60 if job.handle.get(RESTARTS) else 0)
-            ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=wait)
-        stopped = ssh_run.stop_hosts(job.ssh_config, job.kill_hosts, job.run_id)
+            verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=wait)
+            if verdict is not None and verdict.get("outcome") == "stopped":
+                confirmed = ssh_run.confirmed_stopped(verdict)
+        rest = [h for h in job.kill_hosts if h not in confirmed]
+        stopped = ssh_run.stop_hosts(job.ssh_config, rest, job.run_id) if rest else {}
         problems = {h: why for h, (why, _) in stopped.items() if why}
         # each host's state came with its kill's answer; a host that gave none is asked (or named unreachable)
         states = {h: state or (why if why.startswith("unreachable") else "") for h, (why, state) in stopped.items()}
         if not all(states.values()):
             states = ssh_run.host_states(job)
+        states = {h: confirmed.get(h) or states.get(h, "") for h in job.kill_hosts}
         for host, state in states.items():
             sink.out(f"{host:12} {state}" + (f"  ({problems[host]})" if host in problems else ""))
         left = [h for h, s in states.items() if s.startswith("running")]

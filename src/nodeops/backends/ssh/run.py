@@ -254,11 +254,22 @@ def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
     return p.returncode == 0
 
 
+RESULT_POLL = 0.05  # how often the chief looks for result.json while the controller waits (a test and a sleep)
+
+
+def cat_when_there(path: str, wait: float) -> str:
+    """bash that prints the file at ``path`` once it exists, looking every RESULT_POLL for up to
+    ``wait`` seconds (once, without a sleep, for 0); prints nothing if it never came."""
+    f = sh_word(path)
+    return (f"i=0; while :; do [ -e {f} ] && exec cat {f}; [ $i -ge {int(wait / RESULT_POLL)} ] && exit 0; "
+            f"i=$((i + 1)); sleep {RESULT_POLL}; done")  # fmt: skip
+
+
 def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESULT_WAIT) -> dict[str, Any] | None:
-    """The supervisor's result.json from the chief, waiting up to ``wait`` seconds for it."""
+    """The supervisor's result.json from the chief, waiting up to ``wait`` seconds for it (one
+    ssh session that looks every RESULT_POLL; ``wait=0`` looks once, without sleeping)."""
     deadline = time.monotonic() + wait
-    f = sh_word(f"{remote_dir(run_id)}/{P.RESULT}")
-    script = f"for _ in $(seq 0 {int(wait * 5)}); do [ -e {f} ] && exec cat {f}; sleep 0.2; done"
+    script = cat_when_there(f"{remote_dir(run_id)}/{P.RESULT}", wait)
     while True:
         try:
             p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True,
@@ -270,6 +281,40 @@ def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESU
         if time.monotonic() > deadline:
             return None
         time.sleep(0.5)
+
+
+def verdict_or_stop(ssh_config: Path, chief: str, run_id: str) -> tuple[dict[str, Any] | None, bool]:
+    """One ssh to the chief: the run's result.json when it has one (the run had ended), else the
+    stop asked of its supervisor (:func:`request_stop`'s file). ``(result, False)``, ``(None,
+    True)`` once asked, ``(None, False)`` when neither could be done (the chief unreachable)."""
+    res, req = sh_word(f"{remote_dir(run_id)}/{P.RESULT}"), sh_word(f"{remote_dir(run_id)}/{P.STOP_REQUEST}")
+    script = f"if [ -e {res} ]; then echo ended; exec cat {res}; fi; touch {req} && echo asked"
+    try:
+        p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True, timeout=20,
+                           check=False, start_new_session=True)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return None, False
+    head, _, body = p.stdout.partition("\n")
+    if p.returncode == 0 and head == "ended":
+        try:
+            return dict(json.loads(body)), False
+        except ValueError:
+            return None, False
+    return None, p.returncode == 0 and head == "asked"
+
+
+def confirmed_stopped(result: dict[str, Any]) -> dict[str, str]:
+    """The hosts whose guard confirmed, in the supervisor's result, that it stopped the run there
+    and nothing of it was left (the agent's own kill, the one kill.sh runs): host -> its state
+    as ``agent.py status`` words it. Lost hosts, and hosts the stop did not reach, are not."""
+    out: dict[str, str] = {}
+    for host, h in (result.get("hosts") or {}).items():
+        if not isinstance(h, dict):
+            continue
+        ended = h.get("ended")
+        if h.get("left") == 0 and isinstance(ended, str) and (ended == "killed" or ended.lstrip("-").isdigit()):
+            out[host] = "killed" if ended == "killed" else f"exited {ended}"
+    return out
 
 
 def await_next(ssh_config: Path, chief: str, run_id: str, attempt: int,
