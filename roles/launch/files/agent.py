@@ -24,7 +24,9 @@ timeline) it also says ``ranks-up`` once a rank's line is in ``host.log``, and `
 most once a second) when ``host.log`` grew or the script touched ``progress``
 (``$NODEOPS_PROGRESS_FILE``);
 on ``stacks`` from the supervisor it takes every rank's stack here and says ``stack JSON`` for
-each, then ``stacks-done``.
+each, then ``stacks-done``; on ``stacks-for ID NATIVE METHOD`` (``nodeops stacks``, through the
+supervisor) it says ``stacks-for ID LINE`` for each line ``agent.py stacks`` would print, then
+``stacks-for-done ID``.
 
 ``python3 agent.py stacks [--native] [--method auto|py-spy|signal]``
     Every rank's Python stack on this host (stacks.py), one ``@@nodeops-stack JSON`` line each,
@@ -195,6 +197,13 @@ def stacks_here(native: bool = False, method: str = "auto") -> list[dict[str, An
     return S.here(HERE, RUN_ID, native, method)
 
 
+def stacks_answer(native: bool, method: str) -> list[str]:
+    """What ``agent.py stacks`` prints (stacks.read_answer reads it): a MARK line per rank, or
+    NONE_MARK and this host's state."""
+    dumps = stacks_here(native, method if method in S.METHODS else "auto")
+    return [S.MARK + json.dumps(d) for d in dumps] or [S.NONE_MARK + status()]
+
+
 # --------------------------------------------------------------------------- guard
 _SAY = threading.Lock()
 
@@ -216,6 +225,17 @@ def report_stacks() -> None:
             d["raw"] = d["raw"][-200_000:]
         say("stack " + json.dumps(d))
     say("stacks-done")
+
+
+def answer_stacks(cmd: bytes) -> None:
+    """``nodeops stacks`` asked, through the supervisor (``stacks-for ID NATIVE METHOD``): this
+    host's answer, a line at a time (a thread of its own, as report_stacks)."""
+    words = cmd.decode(errors="replace").split()
+    if len(words) != 4 or not P.STACKS_ID.match(words[1]):
+        return
+    for line in stacks_answer(words[2] == "1", words[3]):
+        say(f"stacks-for {words[1]} {line}")
+    say(f"stacks-for-done {words[1]}")
 
 
 class Progress:
@@ -362,6 +382,9 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             *cmds, buf = buf.split(b"\n")
             if b"stacks" in (c.strip() for c in cmds):
                 threading.Thread(target=report_stacks, daemon=True).start()
+            for c in cmds:
+                if c.startswith(b"stacks-for "):
+                    threading.Thread(target=answer_stacks, args=(c.strip(),), daemon=True).start()
             if b"flight" in (c.strip() for c in cmds):  # NCCL ranks' flight-recorder dumps, now
                 say("flight " + ",".join(str(r) for r in S.ask_flight(HERE)))
             if b"stop" in (c.strip() for c in cmds) and not stopped:
@@ -480,11 +503,8 @@ def main(argv: list[str]) -> int:
         return guard("--job" in argv, "--agent-final" in argv, "--pdsh" in argv, "--watch-progress" in argv)
     if mode == "stacks":
         method = argv[argv.index("--method") + 1] if "--method" in argv[:-1] else "auto"
-        dumps = stacks_here("--native" in argv, method if method in S.METHODS else "auto")
-        for d in dumps:
-            print(S.MARK + json.dumps(d))
-        if not dumps:
-            print(S.NONE_MARK + status())
+        for line in stacks_answer("--native" in argv, method):
+            print(line)
         return 0
     if mode == "kill":
         left = kill_run("nodeops stop/teardown")

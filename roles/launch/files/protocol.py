@@ -32,6 +32,14 @@ STALLS = "stalls.json"  # every stall the stall watch reported or judged a quiet
 RUN_CONFIG = "run.json"  # the supervisor's input (chief only)
 RESULT = "result.json"  # the supervisor's verdict (chief only); its presence means the run is over
 STOP_REQUEST = "stop_request"  # the controller asks the supervisor to stop the run (chief only)
+# `nodeops stacks` asks the supervisor (chief only): STACKS_ASK + ID holds {"native", "method"};
+# the supervisor takes it (unlinks it: whoever unlinks it owns it), has every guard take its
+# host's stacks, and writes STACKS_ANSWER + ID + ".json": {"hosts": {host: that host's
+# `agent.py stacks` output}} with the hosts whose guard answered.
+STACKS_ASK = "stacks-ask."
+STACKS_ANSWER = "stacks-answer."
+STACKS_ID = re.compile(r"[0-9a-f]{8,32}\Z")
+STACKS_ASK_WAIT = 30.0  # how long the supervisor waits for every guard's answer to one ask
 SUPERVISOR_LOG = "supervisor.log"
 AGENT_LOG = "agent.log"
 AGENT_PID = "agent.pid"  # the host agent's pid, while it runs

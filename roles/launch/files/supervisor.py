@@ -151,6 +151,40 @@ def host_result(lk: Link) -> dict[str, Any]:
             **({"step": lk.step} if lk.step is not None else {})}  # fmt: skip
 
 
+def take_asks(asks: dict[str, dict[str, Any]], links: list[Link], gone: set[str]) -> None:
+    """`nodeops stacks` asks left in the run dir (protocol.STACKS_ASK): each taken (unlinked: the
+    controller that gave up on it unlinked it first) is passed to every guard still here."""
+    for name in os.listdir(HERE):
+        ask_id = name[len(P.STACKS_ASK) :] if name.startswith(P.STACKS_ASK) else ""
+        if not P.STACKS_ID.match(ask_id) or ask_id in asks:
+            continue
+        try:
+            with open(os.path.join(HERE, name)) as f:
+                body = json.load(f)
+            os.unlink(os.path.join(HERE, name))
+        except (OSError, ValueError):
+            continue
+        method = body.get("method") if isinstance(body, dict) and body.get("method") in S.METHODS else "auto"
+        native = "1" if isinstance(body, dict) and body.get("native") is True else "0"
+        asks[ask_id] = {"asked": time.monotonic(), "lines": {}, "done": set()}
+        log(f"stacks asked ({ask_id}): every guard takes its ranks' stacks")
+        for lk in links:
+            if lk.name not in gone:
+                lk.send(f"stacks-for {ask_id} {native} {method}")
+
+
+def answer_asks(asks: dict[str, dict[str, Any]], links: list[Link], gone: set[str], final: bool = False) -> None:
+    """Each ask every guard answered (or that waited STACKS_ASK_WAIT; every one when the attempt
+    is over) gets its answer file: the answering hosts only (the controller asks the others)."""
+    for ask_id, a in list(asks.items()):
+        if (final or a["done"] | gone >= {lk.name for lk in links}
+                or time.monotonic() - a["asked"] > P.STACKS_ASK_WAIT):  # fmt: skip
+            answer = {h: "\n".join(a["lines"].get(h, [])) for h in a["done"]}
+            write_json(P.STACKS_ANSWER + ask_id + ".json", {"hosts": answer})
+            log(f"stacks answered ({ask_id}): {len(answer)} of {len(links)} host(s)")
+            del asks[ask_id]
+
+
 def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any]:
     """One attempt on ``hosts`` (their jobs already started): its result, as result.json holds it."""
     run_id = cfg["run_id"]
@@ -209,6 +243,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     last_progress = time.monotonic()
     # every guard asked for its ranks' stacks: {"for": "stall" | "hang", "asked", "idle", "dumps", "done"}
     hang: dict[str, Any] = {}
+    # `nodeops stacks` asks being answered: id -> {"asked", "lines": {host: [line]}, "done": {host}}
+    asks: dict[str, dict[str, Any]] = {}
     progressed: set[str] = set()  # hosts where a rank printed: until all have, it is start-up
     rearmed = 0  # the watchdog found no live rank anywhere and watched on (at most 3 times)
     began = time.monotonic()
@@ -281,6 +317,10 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             if "ranks_up" not in times and all(h.name in progressed for h in links if h.has_job):
                 times["ranks_up"] = time.time()
                 watch.rhythm.start(time.monotonic())
+        elif words[0] == "stacks-for" and len(words) > 2 and words[1] in asks:
+            asks[words[1]]["lines"].setdefault(lk.name, []).append(line.split(" ", 2)[2])
+        elif words[0] == "stacks-for-done" and len(words) == 2 and words[1] in asks:
+            asks[words[1]]["done"].add(lk.name)
         elif words[0] == "stack" and hang:
             with contextlib.suppress(ValueError):
                 hang["dumps"].append(dict(json.loads(line[len("stack ") :]), host=lk.name))
@@ -437,6 +477,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 times.pop("failed", None)
             else:
                 judge_hang()
+        take_asks(asks, links, gone)
+        answer_asks(asks, links, gone)
         if held and (time.monotonic() >= held["until"] or os.path.exists(stop_file)):
             why, spare = held["why"], held["spare"]
             held.clear()
@@ -461,13 +503,14 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 fail(lk, "lost", f"lost: {lk.lost}" if lk.watching else f"cannot be watched: {lk.lost}", P.CAUSE_LOST,
                      kind="lost")  # fmt: skip
         else:
-            if line != "progress":  # once a second per host: the timeline keeps the last one
+            if line != "progress" and not line.startswith("stacks-for "):  # progress: once a second per host
                 log(f"{lk.name}: {line}")
             handle(lk, line)
         if sweep_since is None and all(lk.ended is not None for lk in links if lk.has_job):
             # every job ended: sweep the job-less hosts (mpirun/deepspeed ranks), spared ones too
             stop_all("every job has ended: sweep the hosts", sweep=True)
     done.set()
+    answer_asks(asks, links, gone, final=True)
     for lk in links:
         lk.close()
         try:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from nodeops.backends.ssh import run as ssh_run
+from nodeops.backends.store import remote_dir
 from nodeops.node import agent as agent_mod
 from nodeops.node import protocol as P
 from nodeops.node import stacks as S
@@ -516,3 +518,74 @@ def test_progress_without_output_keeps_the_watchdog_quiet(tmp_path: Path) -> Non
     res = result_of(chief, start(dirs), timeout=60)
     assert res["outcome"] == "ok", res
     assert wait_clean(dirs) == []
+
+
+def ask_stacks(home: Path, chief: Path, native: bool = False, method: str = "auto") -> subprocess.CompletedProcess[str]:
+    """What `nodeops stacks` runs on the chief over ssh (its home: ``home``, where the run dir of
+    ``chief`` is linked at the path the controller names)."""
+    run_id = "20261122-000000-abcd"  # the test's run dirs have ids of their own (one per host)
+    link = home / remote_dir(run_id)
+    if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(chief)
+    script = ssh_run.stacks_ask_script(run_id, "0123abcd4567ef89", native, method)
+    return subprocess.run(["bash", "-c", script], cwd=home, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_nodeops_stacks_is_answered_by_the_guards_through_the_supervisor(tmp_path: Path) -> None:
+    chief, dirs = hang_run(tmp_path / "run", {"a": "serving_a", "b": "serving_b"}, 0)
+    extra = tmp_path / "run" / "c" / f"{chief.name[:-1]}9"  # a host whose job runs no rank (its own run id)
+    extra.mkdir(parents=True)
+    ship(extra)
+    (extra / "job.sh").write_text("exec sleep 300\n")
+    cfg = json.loads((chief / "run.json").read_text())
+    cfg["hosts"].append({"name": "c", "local": True, "dir": str(extra), "job": True})
+    (chief / "run.json").write_text(json.dumps(cfg))
+    (chief / (P.STACKS_ASK + "not-an-id")).write_text("{}")  # not a valid ask: left alone
+    sup = start([*dirs, extra])
+    deadline = time.monotonic() + 30
+
+    def ready() -> bool:  # every rank printed, and every guard is watching
+        logs = [(d / P.LOG).read_text() if (d / P.LOG).exists() else "" for d in dirs]
+        sup = (chief / P.SUPERVISOR_LOG).read_text() if (chief / P.SUPERVISOR_LOG).exists() else ""
+        return all("[rank" in t for t in logs) and all(f"{h}: watching" in sup for h in "abc")
+
+    while not ready():
+        assert time.monotonic() < deadline, "the ranks never printed, or a guard never watched"
+        time.sleep(0.2)
+    p = ask_stacks(tmp_path / "home", chief)
+    head, _, body = p.stdout.partition("\n")
+    assert (p.returncode, head) == (0, "answer"), (p.stdout, p.stderr)
+    hosts = json.loads(body)["hosts"]
+    assert sorted(hosts) == ["a", "b", "c"]
+    got = {h: S.read_answer(text, h) for h, text in hosts.items()}
+    assert [d["rank"] for d in got["a"][0]] == [0] and [d["rank"] for d in got["b"][0]] == [1]
+    assert "serving_a" in got["a"][0][0]["raw"] and "serving_b" in got["b"][0][0]["raw"]
+    assert got["c"] == ([], "running")  # no rank there: the host's state, as `agent.py stacks` says
+    assert not list(chief.glob(P.STACKS_ANSWER + "*")), "the answer is removed once read"
+    assert not (chief / (P.STACKS_ASK + "0123abcd4567ef89")).exists()
+    assert (chief / (P.STACKS_ASK + "not-an-id")).exists()
+    assert S.MARK not in (chief / P.SUPERVISOR_LOG).read_text()  # the dumps are not logged
+    (chief / P.STOP_REQUEST).touch()
+    assert result_of(chief, sup)["outcome"] == "stopped"
+    assert wait_clean([*dirs, extra]) == []
+
+
+def test_a_stacks_ask_no_supervisor_takes_is_taken_back(tmp_path: Path) -> None:
+    run = tmp_path / "chief" / "20261122-000000-abcd"
+    run.mkdir(parents=True)
+    p = ask_stacks(tmp_path / "home", run)  # no supervisor.pid: not asked at all
+    assert (p.returncode, p.stdout) == (0, "none\n")
+    assert not list(run.iterdir())
+    # a supervisor that does not take it (between two attempts of a restarting run)
+    busy = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", str(run / "supervisor.py")])
+    try:
+        (run / P.SUPERVISOR_PID).write_text(str(busy.pid))
+        t0 = time.monotonic()
+        p = ask_stacks(tmp_path / "home", run)
+        assert (p.returncode, p.stdout) == (0, "none\n")
+        assert ssh_run.STACKS_TAKEN_WAIT <= time.monotonic() - t0 < ssh_run.STACKS_TAKEN_WAIT + 5
+        assert sorted(f.name for f in run.iterdir()) == [P.SUPERVISOR_PID], "the ask was taken back"
+    finally:
+        busy.kill()
+        busy.wait()

@@ -13,6 +13,7 @@ import io
 import json
 import queue
 import re
+import secrets
 import signal
 import subprocess
 import tarfile
@@ -220,9 +221,54 @@ def fetch_flight(job: Job) -> dict[str, int]:
     return {h: n for h, n in fan_out(job.kill_hosts, one).items() if n}
 
 
+STACKS_TAKEN_WAIT = 3.0  # how long an ask may wait to be taken by the supervisor (between attempts it is not)
+
+
+def stacks_ask_script(run_id: str, ask_id: str, native: bool, method: str) -> str:
+    """bash for the chief: leave a stacks ask for the run's supervisor (protocol.STACKS_ASK) and
+    print ``answer`` and its answer once written; ``none`` when no supervisor runs there, or it
+    did not take the ask within STACKS_TAKEN_WAIT (the ask is then taken back), or no answer
+    came within STACKS_ASK_WAIT (the supervisor answers every host it can by then)."""
+    ask, answer = P.STACKS_ASK + ask_id, P.STACKS_ANSWER + ask_id + ".json"
+    body = sh_word(json.dumps({"native": native, "method": method}))
+    taken, waited = int(STACKS_TAKEN_WAIT / RESULT_POLL), int((P.STACKS_ASK_WAIT + 5) / RESULT_POLL)
+    return (
+        f"cd {sh_word(remote_dir(run_id))} 2>/dev/null || {{ echo none; exit 0; }}; "
+        f"p=$(cat {P.SUPERVISOR_PID} 2>/dev/null); "
+        f'grep -qs supervisor.py "/proc/$p/cmdline" || {{ echo none; exit 0; }}; '
+        f"printf %s {body} > .{ask} && mv -f .{ask} {ask} || {{ echo none; exit 0; }}; i=0; "
+        f"while :; do if [ -e {answer} ]; then echo answer; cat {answer}; rm -f {answer}; exit 0; fi; "
+        # not taken in time: taken back (whoever unlinks it owns it), and the hosts are asked one by one
+        f"if [ $i -ge {taken} ] && rm {ask} 2>/dev/null; then echo none; exit 0; fi; "
+        f"[ $i -ge {waited} ] && {{ echo none; exit 0; }}; i=$((i + 1)); sleep {RESULT_POLL}; done"
+    )  # fmt: skip
+
+
+def stacks_via_chief(job: Job, native: bool, method: str) -> dict[str, str]:
+    """Every rank's stack through the run's supervisor and the guards it holds: one ssh to the
+    chief, no new session or Python on the other hosts. host -> its ``agent.py stacks`` output,
+    for the hosts whose guard answered ({} when the supervisor could not be asked)."""
+    script = stacks_ask_script(job.run_id, secrets.token_hex(8), native, method)
+    try:
+        p = subprocess.run(ssh_argv(job.ssh_config, job.chief, script), capture_output=True, text=True,
+                           timeout=P.STACKS_ASK_WAIT + 30, check=False, errors="replace")  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {}
+    head, _, body = p.stdout.partition("\n")
+    if p.returncode != 0 or head != "answer":
+        return {}
+    try:
+        hosts = json.loads(body).get("hosts")
+    except (ValueError, AttributeError):
+        return {}
+    return {h: t for h, t in hosts.items() if isinstance(t, str)} if isinstance(hosts, dict) else {}
+
+
 def take_stacks(job: Job, native: bool = False, method: str = "auto") -> tuple[list[dict[str, Any]], dict[str, str]]:
-    """Every rank's stack on every host of the run, at once (``agent.py stacks`` over ssh):
-    the dumps (each with its host), and host -> why no stack came from there."""
+    """Every rank's stack on every host of the run, at once: through the chief's supervisor and
+    its guards while the run is supervised (:func:`stacks_via_chief`), and ``agent.py stacks``
+    over ssh on every host it did not answer for (a spare, a lost guard, a run that ended).
+    Returns the dumps (each with its host), and host -> why no stack came from there."""
     args = ["python3", f"{remote_dir(job.run_id)}/agent.py", "stacks", "--method", method]
     args += ["--native"] if native else []
 
@@ -240,8 +286,11 @@ def take_stacks(job: Job, native: bool = False, method: str = "auto") -> tuple[l
             return [], "unreachable: " + last_line(p.stderr, f"ssh exited {p.returncode}")
         return S.read_answer(p.stdout, host)
 
-    got = fan_out(job.kill_hosts, one)
-    return [d for ds, _ in got.values() for d in ds], {h: why for h, (ds, why) in got.items() if not ds}
+    via = {h: S.read_answer(text, h) for h, text in stacks_via_chief(job, native, method).items()}
+    rest = [h for h in job.kill_hosts if h not in via]
+    got = via | (fan_out(rest, one) if rest else {})
+    ordered = [(h, got[h]) for h in job.kill_hosts if h in got]
+    return [d for _, (ds, _) in ordered for d in ds], {h: why for h, (ds, why) in ordered if not ds}
 
 
 def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
