@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import shlex
 import signal
 import subprocess
@@ -332,6 +333,9 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 flight[lk.name] = asked
         elif words[0] == "exit":
             lk.ended = words[1]
+            survived = re.search(r"\((\d+) left\)$", line)  # strays of the ended job that outlived SIGKILL
+            if survived:
+                lk.left = max(lk.left or 0, int(survived.group(1)))
             if first is not None and first["host"] == lk.name and first["code"] is None and lk.ended.isdigit():
                 first["code"] = int(lk.ended)  # torchrun's failure line came first; this is its exit
             if lk.ended == "killed":
@@ -530,6 +534,9 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         "first_failure": first,
         "hosts": {lk.name: host_result(lk) for lk in links},
         "teardown_seconds": took,
+        # stopped here, on request: each host's "left" is what its guard found after the stop
+        # (`nodeops stop` trusts it; a verdict carried over between two attempts has not this)
+        "stop_confirmed": outcome == "stopped",
         **({"hang": hang_report} if hang_report is not None else {}),
         **({"stalls": [{k: v for k, v in st.items() if k != "dumps"} for st in watch.stalls]} if watch.stalls else {}),
         "reports": [list(r) for r in reports],
@@ -668,11 +675,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             time.sleep(0.2)
         if stop_requested():  # nothing of the next attempt has started: the run ends here, stopped
             a["decision"] += "; stopped during the back-off"
-            result = dict(result, outcome="stopped", first_failure=None)
+            result = dict(result, outcome="stopped", first_failure=None, stop_confirmed=False)
             break
         if stop_requested():  # asked during the preflight: nothing was started
             a["decision"] += "; stopped before the next attempt"
-            result = dict(result, outcome="stopped", first_failure=None)
+            result = dict(result, outcome="stopped", first_failure=None, stop_confirmed=False)
             break
         active = [dict(h, job=True) for h in chosen]
         names = [h["name"] for h in active]
@@ -692,7 +699,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             on_each(active, run_id, lambda _h: ["python3", "agent.py", "kill"], 30, ok=P.STOPPED)
             attempts.append({"attempt": n + 1, "hosts": names, "started": time.time(), "ended": time.time(),
                              "outcome": "stopped"})  # fmt: skip
-            result = dict(result, outcome="stopped", first_failure=None)
+            result = dict(result, outcome="stopped", first_failure=None, stop_confirmed=False)
             break
         if start_failed:
             log("attempt start failed: " + "; ".join(f"{h}: {w}" for h, w in start_failed.items()))

@@ -132,3 +132,63 @@ def _environ_has(pid: str, entry: str) -> bool:
         return entry.encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False
+
+
+def follow_script(tmp_path: Path) -> Path:
+    _, files = files_for(SPEC, ["train.py"])
+    (f,) = [f for f in files["10.0.0.1"] if f.name == "follow.sh"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "follow.sh").write_text(f.content)
+    (run / P.LOG).write_text("first line\n")
+    (run / P.PGID).write_text("1")
+    return run
+
+
+def fake_agent(run: Path, seconds: float) -> subprocess.Popen[bytes]:
+    """A process named like the host agent that writes agent.pid and lives ``seconds``."""
+    code = f"import os, time; open('agent.pid', 'w').write(str(os.getpid())); time.sleep({seconds})"
+    p = subprocess.Popen([sys.executable, "-c", code, "agent.py"], cwd=run)
+    while not (run / P.AGENT_PID).exists():
+        time.sleep(0.02)
+    return p
+
+
+def test_follow_streams_the_log_and_ends_with_the_job_never_later(tmp_path: Path) -> None:
+    run = follow_script(tmp_path)
+    agent = fake_agent(run, 30)  # an agent that lingers: exit_code ends the stream anyway
+    try:
+        follow = subprocess.Popen(["bash", str(run / "follow.sh")], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)
+        with (run / P.LOG).open("a") as f:
+            f.write("second line, no newline")
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        (run / P.EXIT).write_text("0")
+        out, _ = follow.communicate(timeout=10)
+        assert time.monotonic() - t0 < 2
+        assert out == f"first line\nsecond line, no newline\n{P.EXIT_MARK}0\n"
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def test_follow_ends_when_the_agent_dies_or_is_not_the_agent(tmp_path: Path) -> None:
+    run = follow_script(tmp_path)
+    agent = fake_agent(run, 1)
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", str(run / "follow.sh")], capture_output=True, text=True, timeout=10).stdout
+    agent.wait()
+    assert out == f"first line\n{P.EXIT_MARK}killed\n"  # no exit_code: it did not end by itself
+    assert 0.5 < time.monotonic() - t0 < 5
+    # a pid that is not the agent's (reused by another process): the log once, at once
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        (run / P.AGENT_PID).write_text(str(other.pid))
+        t0 = time.monotonic()
+        out = subprocess.run(["bash", str(run / "follow.sh")], capture_output=True, text=True, timeout=10).stdout
+        assert out == f"first line\n{P.EXIT_MARK}killed\n"
+        assert time.monotonic() - t0 < 2
+    finally:
+        other.kill()
+        other.wait()

@@ -554,7 +554,7 @@ class SshBackend(Backend):
             # verdict says when it stopped everything, and only then is the kill below final
             wait = 15 + (60 if job.handle.get(RESTARTS) else 0)
             verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=wait)
-            if verdict is not None and verdict.get("outcome") == "stopped":
+            if verdict is not None and verdict.get("outcome") == "stopped" and verdict.get("stop_confirmed") is True:
                 confirmed = ssh_run.confirmed_stopped(verdict)
         rest = [h for h in job.kill_hosts if h not in confirmed]
         stopped = ssh_run.stop_hosts(job.ssh_config, rest, job.run_id) if rest else {}

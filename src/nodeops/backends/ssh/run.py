@@ -237,9 +237,10 @@ def stacks_ask_script(run_id: str, ask_id: str, native: bool, method: str) -> st
         f"p=$(cat {P.SUPERVISOR_PID} 2>/dev/null); "
         f'grep -qs supervisor.py "/proc/$p/cmdline" || {{ echo none; exit 0; }}; '
         f"printf %s {body} > .{ask} && mv -f .{ask} {ask} || {{ echo none; exit 0; }}; i=0; "
-        f"while :; do if [ -e {answer} ]; then echo answer; cat {answer}; rm -f {answer}; exit 0; fi; "
+        # a controller gone meanwhile (Ctrl-C): SIGPIPE ignored, so the answer is still removed
+        f"while :; do if [ -e {answer} ]; then trap '' PIPE; echo answer; cat {answer}; rm -f {answer}; exit 0; fi; "
         # not taken in time: taken back (whoever unlinks it owns it), and the hosts are asked one by one
-        f"if [ $i -ge {taken} ] && rm {ask} 2>/dev/null; then echo none; exit 0; fi; "
+        f"if [ $i -ge {taken} ] && [ -e {ask} ] && rm {ask} 2>/dev/null; then echo none; exit 0; fi; "
         f"[ $i -ge {waited} ] && {{ echo none; exit 0; }}; i=$((i + 1)); sleep {RESULT_POLL}; done"
     )  # fmt: skip
 
@@ -303,7 +304,7 @@ def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
     return p.returncode == 0
 
 
-RESULT_POLL = 0.05  # how often the chief looks for result.json while the controller waits (a test and a sleep)
+RESULT_POLL = 0.1  # how often the chief looks for a file the controller waits for (a test and a sleep)
 
 
 def cat_when_there(path: str, wait: float) -> str:
@@ -321,8 +322,9 @@ def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESU
     script = cat_when_there(f"{remote_dir(run_id)}/{P.RESULT}", wait)
     while True:
         try:
+            # its loop counts looks: on a busy chief each sleep overruns, so the ssh gets twice the wait
             p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True,
-                               timeout=wait + 15, check=False, start_new_session=True)  # fmt: skip
+                               timeout=2 * wait + 15, check=False, start_new_session=True)  # fmt: skip
             if p.returncode == 0 and p.stdout.strip():
                 return dict(json.loads(p.stdout))
         except (subprocess.TimeoutExpired, ValueError):
