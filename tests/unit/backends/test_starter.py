@@ -8,11 +8,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from nodeops.backends import starter
 from nodeops.launch import launchers
 from nodeops.node import protocol as P
 from nodeops.spec.load import load_spec_text
 from nodeops.spec.model import LoadedSpec
+
+# its tests share one run id, found by tag in /proc: one xdist worker runs them, one at a time
+pytestmark = pytest.mark.xdist_group("run-20261122-101500-ab12")
 
 SPEC = """
 nodes:

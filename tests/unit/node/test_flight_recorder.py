@@ -17,6 +17,9 @@ from nodeops.launch import launchers
 from nodeops.node import stacks as S
 from nodeops.spec.load import load_spec_text
 
+# its tests share one run id, found by tag in /proc: one xdist worker runs them, one at a time
+pytestmark = pytest.mark.xdist_group("run-20261124-101500-ab12")
+
 GPU = """
 nodes:
   - {address: 10.0.0.1, chief: true, gpus: [0, 1]}
