@@ -443,6 +443,44 @@ def bytes_sent(name: str) -> int:
         raise SandboxError(f"cannot read {counter}, the byte counter of sandbox {name}'s bridge: {e}") from None
 
 
+NEIGH = Path("/proc/sys/net/ipv4/neigh/default")
+
+
+def neighbour_room(n: int, neigh: Path = NEIGH) -> tuple[int, int] | None:
+    """Every node of a sandbox is a container on this one kernel, whose neighbour (ARP) table has
+    one limit for all of them (``gc_thresh3``, 1024 by default). A job whose ranks connect to each
+    other (gloo's and NCCL's full mesh) fills n*(n-1) entries: past the limit the kernel says
+    "neighbor table overflow" and new connections fail with "No route to host" (64 nodes: 4,032).
+    (the limit now, the one ``n`` nodes need), or None when there is room (or no such file)."""
+    try:
+        now = int((neigh / "gc_thresh3").read_text())
+    except (OSError, ValueError):
+        return None
+    need = n * (n - 1) + 512  # the mesh, and room for this machine's own neighbours
+    return None if now >= need else (now, need)
+
+
+def make_neighbour_room(n: int, say: Say, neigh: Path = NEIGH) -> None:
+    """Raise this kernel's neighbour-table limits for an ``n``-node sandbox's full mesh (as root;
+    only ever upwards, until the next boot), or say why a big job's connections may fail."""
+    room = neighbour_room(n, neigh)
+    if room is None:
+        return
+    now, need = room
+    try:
+        for knob, value in (("gc_thresh1", need // 4), ("gc_thresh2", need), ("gc_thresh3", 2 * need)):
+            if int((neigh / knob).read_text()) < value:
+                (neigh / knob).write_text(str(value))
+    except (OSError, ValueError) as e:
+        say(f"warning: {n} nodes on one kernel need about {need} neighbour (ARP) entries for a full mesh, "
+            f"and net.ipv4.neigh.default.gc_thresh3 is {now}: a job whose ranks all connect to each other "
+            f"will fail with 'No route to host'. As root: sysctl -w net.ipv4.neigh.default.gc_thresh3={2 * need} "
+            f"({e.__class__.__name__})")  # fmt: skip
+        return
+    say(f"raised net.ipv4.neigh.default.gc_thresh3 from {now} to {2 * need} (until reboot): {n} nodes on one "
+        f"kernel share its neighbour table, and a full mesh fills about {need} entries")  # fmt: skip
+
+
 def up(
     name: str = DEFAULT_NAME,
     n: int = 3,
@@ -469,6 +507,7 @@ def up(
             subnet = free_subnet(used_subnets())
             say(f"using subnet {subnet} (the first free /24 from {DEFAULT_SUBNET}; choose one with --subnet)")
     addresses = _check_args(name, n, subnet)
+    make_neighbour_room(n, say)
     existing = nodes(name)
     if existing and len(existing) != n:
         raise SandboxError(

@@ -80,3 +80,37 @@ def test_shared_dirs_are_bound_read_only_at_their_path() -> None:
 def test_shared_dirs_refused(src: str, dest: str, message: str) -> None:
     with pytest.raises(SandboxError, match=message):
         sandbox.shared_mounts([(Path(src), dest)])
+
+
+def neigh_dir(tmp_path: Path, limits: tuple[int, int, int]) -> Path:
+    d = tmp_path / "neigh"
+    d.mkdir(parents=True)
+    for knob, v in zip(("gc_thresh1", "gc_thresh2", "gc_thresh3"), limits, strict=True):
+        (d / knob).write_text(f"{v}\n")
+    return d
+
+
+def test_a_big_sandbox_gets_room_in_the_shared_neighbour_table(tmp_path: Path) -> None:
+    d = neigh_dir(tmp_path, (128, 512, 1024))  # the kernel's defaults
+    assert sandbox.neighbour_room(8, d) is None  # 56 entries: room enough
+    assert sandbox.neighbour_room(64, d) == (1024, 64 * 63 + 512)
+    said: list[str] = []
+    sandbox.make_neighbour_room(64, said.append, d)
+    assert [int((d / k).read_text()) for k in ("gc_thresh1", "gc_thresh2", "gc_thresh3")] == [1136, 4544, 9088]
+    assert said and "from 1024 to 9088" in said[0]
+    said.clear()
+    sandbox.make_neighbour_room(64, said.append, d)  # enough now: nothing done, nothing said
+    assert said == []
+    sandbox.make_neighbour_room(16, said.append, neigh_dir(tmp_path / "x", (128, 512, 99999)))
+    assert said == []  # never lowered
+
+
+def test_without_the_right_to_raise_it_the_sandbox_says_what_will_fail_and_the_fix(tmp_path: Path) -> None:
+    d = tmp_path / "neigh"  # the limit can be read, not raised (here: the other knobs are missing)
+    d.mkdir()
+    (d / "gc_thresh3").write_text("1024\n")
+    said: list[str] = []
+    sandbox.make_neighbour_room(64, said.append, d)
+    assert len(said) == 1 and said[0].startswith("warning: 64 nodes")
+    assert "No route to host" in said[0] and "sysctl -w net.ipv4.neigh.default.gc_thresh3=9088" in said[0]
+    assert (d / "gc_thresh3").read_text() == "1024\n"
