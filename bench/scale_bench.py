@@ -65,7 +65,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from _bench import WHEELS  # noqa: E402  (bench/, beside this script)
-from _cost import Cost, Sampler, container_cmdlines, mem_available_gib  # noqa: E402
+from _cost import Cost, Sampler, container_cmdlines, cpu_seconds, mem_available_gib  # noqa: E402
 
 from nodeops.sandbox import cluster as sandbox  # noqa: E402
 from nodeops.spec.loading import load_spec  # noqa: E402
@@ -142,6 +142,17 @@ class Bench:
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             return {k: v for k, v in pool.map(one, self.sb.nodes) if v}
+
+    def wait_quiet(self, cores: float, seconds: float) -> float:
+        """Wait until every node together uses under ``cores`` CPUs (over 2 s), at most ``seconds``:
+        how long it waited."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            before = sum(cpu_seconds(i) for i in self.ids)
+            time.sleep(2)
+            if sum(cpu_seconds(i) for i in self.ids) - before < 2 * cores:
+                break
+        return time.monotonic() - t0
 
     def wait_for(self, pattern: re.Pattern[str], count: int, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
@@ -305,11 +316,14 @@ def stacks_row(b: Bench, spec: Path, n: int, say: sandbox.Say) -> Step:
     start = b.timed([*NODEOPS, "launch", str(spec), "--no-check", "--detach", "--", "idle.py"])
     if start.rc != 0 or not b.wait_for(RANK, n, 300):
         return dataclasses.replace(start, rc=start.rc or 1, tail=f"the idle run never had {n} ranks: {start.tail}")
+    # The ranks exist once started, then import torch and meet (a minute of both cores at 64 nodes):
+    # the row measures the stacks of a run that is idle, as a stuck one is, so it waits for quiet.
+    settled = b.wait_quiet(0.5 + 0.01 * n, 240)
     s = b.timed([*NODEOPS, "stacks", str(spec), "--json"])
     try:
         doc = json.loads(s.stdout)
         ranks = len(doc.get("ranks") or []) or sum(len(g.get("ranks", [])) for g in doc.get("groups", []))
-        s.tail = f"{ranks} of {n} ranks' stacks"
+        s.tail = f"{ranks} of {n} ranks' stacks ({settled:.0f} s after the ranks started, once the nodes were quiet)"
         s.rc = s.rc or (0 if ranks == n else 1)
     except json.JSONDecodeError:
         s.rc = s.rc or 1

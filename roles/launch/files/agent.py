@@ -332,8 +332,10 @@ def agent_alive() -> bool:
 def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = False) -> int:
     say("watching")
     progress = Progress() if watch_progress else None
-    open(path(P.HEARTBEAT), "a").close()
-    os.utime(path(P.HEARTBEAT))
+    # The dead man's switch (HEARTBEAT_STALE) is armed by the first heartbeat: until it comes, a
+    # starved chief may still be starting its guards (64 of them took 45 s on 2 sandbox cores) and
+    # only ATTACH_DEADLINE applies, as to the agent, which reads the heartbeat file this touches.
+    heard = False
     last_beat = time.monotonic()
     scan = LogScan()
     recent: deque[str] = deque(maxlen=P.TAIL_LINES)  # what the ranks printed before torchrun's failure line
@@ -376,7 +378,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             if not chunk:  # the supervisor (or the chief) is gone: stop here, and say so if anyone listens
                 say(f"lost-stopped {kill_run('the supervisor connection closed')} the supervisor connection closed")
                 return 0
-            last_beat = time.monotonic()
+            last_beat, heard = time.monotonic(), True
+            open(path(P.HEARTBEAT), "a").close()
             os.utime(path(P.HEARTBEAT))
             buf += chunk
             *cmds, buf = buf.split(b"\n")
@@ -392,8 +395,9 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
                 say(f"stopped {kill_run('stop requested by the supervisor')}")
                 if not has_job:
                     return 0
-        elif time.monotonic() - last_beat > P.HEARTBEAT_STALE:
-            why = f"no heartbeat from the supervisor for {P.HEARTBEAT_STALE:.0f}s"
+        elif time.monotonic() - last_beat > (P.HEARTBEAT_STALE if heard else P.ATTACH_DEADLINE):
+            since = f"for {P.HEARTBEAT_STALE:.0f}s" if heard else f"within {P.ATTACH_DEADLINE:.0f}s of its start"
+            why = f"no heartbeat from the supervisor {since}"
             say(f"lost-stopped {kill_run(why)} {why}")
             return 0
         if not has_job:

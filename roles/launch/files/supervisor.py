@@ -198,10 +198,12 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     links: list[Link] = []
     done = threading.Event()
 
-    def heartbeat() -> None:
-        while not done.wait(P.HEARTBEAT_EVERY):
+    def heartbeat() -> None:  # the first at once: it arms each guard's dead man's switch
+        while True:
             for lk in list(links):
                 lk.send("")
+            if done.wait(P.HEARTBEAT_EVERY):
+                return
 
     threading.Thread(target=heartbeat, daemon=True).start()
     events: queue.Queue[tuple[Link, str | None]] = queue.Queue()

@@ -6,6 +6,7 @@ started by the real start.sh; the supervisor restarts them through agent.py pref
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -155,7 +156,8 @@ def make_run(tmp: Path, jobs: dict[str, str], spares: set[str], recovery: dict[s
     start = jinja2.Template((role_dir("templates") / "start.sh.j2").read_text(), keep_trailing_newline=True)
     dirs = []
     for i, (name, body) in enumerate(jobs.items()):
-        d = tmp / name / f"20261124-000000-{i:04x}"
+        # the run id found by tag in /proc: this worker's own (pytest-xdist runs tests side by side)
+        d = tmp / name / f"20261124-{os.getpid() % 1_000_000:06d}-{i:04x}"
         d.mkdir(parents=True)
         ship(d)
         (d / "start.sh").write_text(start.render(run_id=d.name, host=name, **markers()))

@@ -135,7 +135,7 @@ def test_all_exit_0_supervisor_exits_0_and_leaves_nothing(tmp_path: Path) -> Non
 def test_a_lost_host_stops_every_host(tmp_path: Path) -> None:
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n", "h3": "exec sleep 300\n"})
     sup = start(dirs)
-    time.sleep(1.5)
+    wait_watching(chief, ("h1", "h2", "h3"))
     guard = next(line for line in ours(dirs) if f"{dirs[1]}/agent.py guard" in line)
     os.kill(int(guard.split()[0]), signal.SIGKILL)  # what a dropped ssh looks like to the supervisor
     res = result_of(chief, sup)
@@ -145,14 +145,17 @@ def test_a_lost_host_stops_every_host(tmp_path: Path) -> None:
 
 
 def wait_watching(chief: Path, hosts: tuple[str, ...]) -> None:
-    """Until every guard said ``watching`` (under load they take a while to start), then 1.5 s
-    more for the heartbeats to flow."""
+    """Until every guard said ``watching`` (under load they take a while to start) and heard its
+    first heartbeat (which arms its dead man's switch: it touches the host's heartbeat file)."""
     log = chief / "supervisor.log"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not all(
             f"{h}: watching" in (log.read_text() if log.exists() else "") for h in hosts):  # fmt: skip
         time.sleep(0.1)
-    time.sleep(1.5)
+    while time.monotonic() < deadline and not all(
+            any((chief.parent.parent / h).glob(f"*/{P.HEARTBEAT}")) for h in hosts):  # fmt: skip
+        time.sleep(0.1)
+    time.sleep(0.5)
 
 
 def test_dead_chief_every_job_stops_by_its_own_agent(tmp_path: Path) -> None:
