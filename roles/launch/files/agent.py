@@ -16,7 +16,9 @@
     or the worker raised an exception it did not catch, and whether it was read after a stop
     came), ``pdsh-failed ADDRESS CODE`` (with --pdsh), ``stopped N`` (N processes of the run
     left after a stop). On stdin EOF or silence for HEARTBEAT_STALE (the chief or its supervisor
-    died) it stops the run here. It exits once the job here has ended, or after a stop where
+    died) it stops the run here; the silence counts once ``arm`` came (the supervisor sends it when
+    every guard has started; before it, ATTACH_DEADLINE), and ``heartbeat`` is touched from
+    then. It exits once the job here has ended, or after a stop where
     there is no job.
 
 With ``--watch-progress`` (the supervisor always asks: for the hang watchdog and the run's
@@ -332,8 +334,9 @@ def agent_alive() -> bool:
 def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = False) -> int:
     say("watching")
     progress = Progress() if watch_progress else None
-    # The dead man's switch (HEARTBEAT_STALE) is armed by the first heartbeat: until it comes, a
-    # starved chief may still be starting its guards (64 of them took 45 s on 2 sandbox cores) and
+    # The dead man's switch (HEARTBEAT_STALE) is armed by the supervisor's ``arm``, sent once it
+    # has started every guard: until then a starved chief may send its heartbeats late (starting
+    # 64 guards took 45-83 s on 2 sandbox cores, and its heartbeats stalled for 15 s meanwhile), so
     # only ATTACH_DEADLINE applies, as to the agent, which reads the heartbeat file this touches.
     heard = False
     last_beat = time.monotonic()
@@ -378,11 +381,13 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             if not chunk:  # the supervisor (or the chief) is gone: stop here, and say so if anyone listens
                 say(f"lost-stopped {kill_run('the supervisor connection closed')} the supervisor connection closed")
                 return 0
-            last_beat, heard = time.monotonic(), True
-            open(path(P.HEARTBEAT), "a").close()
-            os.utime(path(P.HEARTBEAT))
+            last_beat = time.monotonic()
             buf += chunk
             *cmds, buf = buf.split(b"\n")
+            heard = heard or b"arm" in (c.strip() for c in cmds)
+            if heard:
+                open(path(P.HEARTBEAT), "a").close()
+                os.utime(path(P.HEARTBEAT))
             if b"stacks" in (c.strip() for c in cmds):
                 threading.Thread(target=report_stacks, daemon=True).start()
             for c in cmds:
@@ -396,7 +401,7 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
                 if not has_job:
                     return 0
         elif time.monotonic() - last_beat > (P.HEARTBEAT_STALE if heard else P.ATTACH_DEADLINE):
-            since = f"for {P.HEARTBEAT_STALE:.0f}s" if heard else f"within {P.ATTACH_DEADLINE:.0f}s of its start"
+            since = f"for {P.HEARTBEAT_STALE:.0f}s" if heard else f"armed within {P.ATTACH_DEADLINE:.0f}s of its start"
             why = f"no heartbeat from the supervisor {since}"
             say(f"lost-stopped {kill_run(why)} {why}")
             return 0

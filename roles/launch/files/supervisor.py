@@ -198,7 +198,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     links: list[Link] = []
     done = threading.Event()
 
-    def heartbeat() -> None:  # the first at once: it arms each guard's dead man's switch
+    def heartbeat() -> None:
         while True:
             for lk in list(links):
                 lk.send("")
@@ -219,6 +219,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(GUARD_STARTERS, max(1, len(hosts)))) as pool:
         in_order = list(pool.map(start_guard, hosts))
     links[:] = in_order  # the hosts' order (results, the first failure's ties)
+    for lk in links:  # every guard started: from now on the heartbeats keep time (each guard's switch)
+        lk.send("arm")
     by_address = {lk.address: lk for lk in links}
     first: dict[str, Any] | None = None
     stopping_since: float | None = None  # a failure or a stop request: the teardown's clock

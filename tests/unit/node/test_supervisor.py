@@ -592,3 +592,49 @@ def test_a_stacks_ask_no_supervisor_takes_is_taken_back(tmp_path: Path) -> None:
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_a_guards_switch_counts_silence_only_once_the_supervisor_armed_it(tmp_path: Path) -> None:
+    """A starved chief may send its first heartbeats late while it starts its guards: a guard stops
+    on silence (HEARTBEAT_STALE) only after ``arm``; before it, only after ATTACH_DEADLINE. Both
+    shortened here (2 s and 6 s) in the shipped protocol.py the guard reads."""
+
+    def guard_in(name: str) -> tuple[Path, subprocess.Popen[bytes]]:
+        d = tmp_path / name / f"20261124-{os.getpid() % 1_000_000:06d}-{len(name):04x}"
+        d.mkdir(parents=True)
+        ship(d)
+        shipped = (d / "protocol.py").read_text()
+        assert "HEARTBEAT_STALE = 15.0" in shipped and "ATTACH_DEADLINE = 150.0" in shipped
+        (d / "protocol.py").write_text(shipped.replace("HEARTBEAT_STALE = 15.0", "HEARTBEAT_STALE = 2.0")
+                                       .replace("ATTACH_DEADLINE = 150.0", "ATTACH_DEADLINE = 6.0"))  # fmt: skip
+        g = subprocess.Popen([sys.executable, str(d / "agent.py"), "guard"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+        return d, g
+
+    def send(g: subprocess.Popen[bytes], line: str) -> None:
+        assert g.stdin is not None
+        g.stdin.write(line.encode() + b"\n")
+        g.stdin.flush()
+
+    d, armed = guard_in("armed")
+    _, never = guard_in("never")
+    try:
+        for g in (armed, never):
+            send(g, "")  # a heartbeat, then 3 s of silence: more than the switch, not yet armed
+        time.sleep(3.5)
+        assert armed.poll() is None and never.poll() is None
+        assert not (d / P.HEARTBEAT).exists()  # the agent's switch is not armed either
+        send(armed, "arm")
+        t0 = time.monotonic()
+        armed.wait(timeout=10)  # not communicate(): its stdin closed would be the supervisor gone
+        assert 1.5 < time.monotonic() - t0 < 5
+        assert armed.stdout is not None and never.stdout is not None
+        assert b"lost-stopped 0 no heartbeat from the supervisor for 2s" in armed.stdout.read()
+        assert (d / P.HEARTBEAT).exists()
+        never.wait(timeout=10)
+        assert b"no heartbeat from the supervisor armed within 6s of its start" in never.stdout.read()
+    finally:
+        for g in (armed, never):
+            if g.poll() is None:
+                g.kill()
+                g.wait()
