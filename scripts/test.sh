@@ -18,6 +18,30 @@ echo "==> docs (generated references current; mkdocs build --strict)"
 python scripts/docs_gen.py --check
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict -q
 echo "==> docker";   bash scripts/ensure-docker.sh   # integration tests run real sshd containers
-# Four workers: the integration tests all on one (they share the sandboxes; tests/conftest.py
-# groups them), the unit tests on the others meanwhile. NODEOPS_TEST_WORKERS=0 runs one process.
-echo "==> pytest";   pytest -n "${NODEOPS_TEST_WORKERS:-4}" --dist loadgroup "$@"
+# The unit tests (pytest-xdist, a file per worker: the tests of one file share run ids found by
+# tag in /proc) run beside the integration tests, which run alone, in order: they share the Docker
+# sandboxes and their timings assume the machine's cores (the first integration files set up
+# their sandboxes, with no timing bounds, while the unit tests run). The unit run's output is
+# printed when it ends. Extra arguments go to both runs. NODEOPS_TEST_WORKERS=0: one after the other.
+echo "==> pytest"
+workers=${NODEOPS_TEST_WORKERS:-3}
+unit_log=$(mktemp /tmp/nodeops-unit.XXXXXX)
+unit_pid=""
+trap 'if [ -n "$unit_pid" ]; then kill "$unit_pid" 2>/dev/null; fi; rm -f "$unit_log"' EXIT
+if [ "$workers" -gt 0 ]; then
+  pytest -n "$workers" --dist loadfile "$@" tests/unit >"$unit_log" 2>&1 &
+  unit_pid=$!
+else
+  pytest "$@" tests/unit
+fi
+integration_rc=0
+pytest "$@" tests/integration || integration_rc=$?
+unit_rc=0
+if [ -n "$unit_pid" ]; then
+  wait "$unit_pid" || unit_rc=$?
+  unit_pid=""
+  echo "==> pytest tests/unit (ran beside the integration tests, on $workers workers)"
+  cat "$unit_log"
+fi
+echo "==> pytest: integration exit $integration_rc, unit exit $unit_rc"
+[ "$integration_rc" -eq 0 ] && [ "$unit_rc" -eq 0 ]

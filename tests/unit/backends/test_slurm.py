@@ -34,9 +34,6 @@ from nodeops.spec import deepspeed as ds
 from nodeops.spec.load import load_spec_text
 from nodeops.spec.loading import load_spec
 
-# its tests share one run id, found by tag in /proc: one xdist worker runs them, one at a time
-pytestmark = pytest.mark.xdist_group("run-20261123-010203-abcd")
-
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 HOSTILE = ["train.py", "--name", "it's a $(touch /tmp/pwned) `id`; rm -rf ~", "a\nb", "*", "", "--", "${HOME}"]
 

@@ -34,10 +34,12 @@ def test_the_chief_side_wait_looks_once_without_sleeping_then_prints_the_file_on
     t0 = time.monotonic()
     p = subprocess.run(["bash", "-c", ssh_run.cat_when_there(str(f), 0)], capture_output=True, text=True, check=False)
     assert (p.returncode, p.stdout) == (0, "")
-    assert time.monotonic() - t0 < ssh_run.RESULT_POLL * 4  # no sleep after the only look
+    assert time.monotonic() - t0 < 3
+    script = ssh_run.cat_when_there(str(f), 0)
+    assert script.index("exit 0") < script.index("sleep")  # the only look ends before any sleep
 
-    threading.Timer(0.3, lambda: f.write_text('{"outcome": "stopped"}')).start()
     t0 = time.monotonic()
+    threading.Timer(0.3, lambda: f.write_text('{"outcome": "stopped"}')).start()
     p = subprocess.run(["bash", "-c", ssh_run.cat_when_there(str(f), 5)], capture_output=True, text=True, check=False)
     took = time.monotonic() - t0
     assert (p.returncode, p.stdout) == (0, '{"outcome": "stopped"}')

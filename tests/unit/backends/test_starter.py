@@ -8,16 +8,11 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from nodeops.backends import starter
 from nodeops.launch import launchers
 from nodeops.node import protocol as P
 from nodeops.spec.load import load_spec_text
 from nodeops.spec.model import LoadedSpec
-
-# its tests share one run id, found by tag in /proc: one xdist worker runs them, one at a time
-pytestmark = pytest.mark.xdist_group("run-20261122-101500-ab12")
 
 SPEC = """
 nodes:
@@ -171,7 +166,7 @@ def test_follow_streams_the_log_and_ends_with_the_job_never_later(tmp_path: Path
         t0 = time.monotonic()
         (run / P.EXIT).write_text("0")
         out, _ = follow.communicate(timeout=10)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 8  # not the agent's 30 s
         assert out == f"first line\nsecond line, no newline\n{P.EXIT_MARK}0\n"
     finally:
         agent.kill()
@@ -193,7 +188,7 @@ def test_follow_ends_when_the_agent_dies_or_is_not_the_agent(tmp_path: Path) -> 
         t0 = time.monotonic()
         out = subprocess.run(["bash", str(run / "follow.sh")], capture_output=True, text=True, timeout=10).stdout
         assert out == f"first line\n{P.EXIT_MARK}killed\n"
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 8  # not the agent's 30 s
     finally:
         other.kill()
         other.wait()

@@ -27,9 +27,6 @@ from nodeops.resources import collections_path, data_dir
 from nodeops.setup.render import ssh_target_from_record
 from nodeops.spec.load import load_spec_text
 
-# its tests share one run id, found by tag in /proc: one xdist worker runs them, one at a time
-pytestmark = pytest.mark.xdist_group("run-20261123-101500-ab12")
-
 RUN_ID = "20261123-101500-ab12"
 HOSTILE = ["train.py", "{{ lookup('pipe', 'id') }}", "a b", "$(touch /tmp/pwned)", "'\"", "@x", "--lr=1e-3"]
 SPECS = {

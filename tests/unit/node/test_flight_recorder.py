@@ -17,9 +17,6 @@ from nodeops.launch import launchers
 from nodeops.node import stacks as S
 from nodeops.spec.load import load_spec_text
 
-# its tests share one run id, found by tag in /proc: one xdist worker runs them, one at a time
-pytestmark = pytest.mark.xdist_group("run-20261124-101500-ab12")
-
 GPU = """
 nodes:
   - {address: 10.0.0.1, chief: true, gpus: [0, 1]}
@@ -43,7 +40,7 @@ def test_the_launch_asks_for_it_where_the_spec_has_gpus_unless_the_spec_says(tex
     for runner in ("torchrun", "mpirun", "deepspeed"):
         spec = load_spec_text(text).spec
         spec = spec.model_copy(update={"launch": spec.launch.model_copy(update={"runner": runner})})
-        plan = launchers.plan(spec, ["train.py"], "20261124-101500-ab12", env_names=["NCCL_DEBUG"])
+        plan = launchers.plan(spec, ["train.py"], "20261124-101500-fa12", env_names=["NCCL_DEBUG"])
         assert all(("NODEOPS_FLIGHT_RECORDER" in h.env) == on for h in plan), (runner, plan)
         if runner == "mpirun":  # remote ranks get it only through -x
             argv = plan[0].argv
@@ -57,7 +54,7 @@ def rank_env(
     """What a process's os.environ holds once the hook (as start.sh writes it) has run: a rank
     of the run (RANK set), or another Python process that sees the same PYTHONPATH; the torch
     it finds installed is a distribution's metadata of version ``torch``, first on the path."""
-    run = tmp_path / "20261124-101500-ab12"
+    run = tmp_path / "20261124-101500-fa12"
     (run / S.HOOK_DIR).mkdir(parents=True)
     (run / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
     dist = tmp_path / "dists" / f"torch-{torch.split('+')[0]}.dist-info"
@@ -73,18 +70,18 @@ def rank_env(
 
 def test_the_hook_sets_only_the_names_the_installed_torch_reads(tmp_path: Path) -> None:
     # torch 2.8 and later: TORCH_FR_* (the old names would print a deprecation warning per rank)
-    dump = str(tmp_path / "new" / "20261124-101500-ab12" / S.FLIGHT_DIR / "rank_")
+    dump = str(tmp_path / "new" / "20261124-101500-fa12" / S.FLIGHT_DIR / "rank_")
     got = rank_env(tmp_path / "new", {"NODEOPS_FLIGHT_RECORDER": "1"}, torch="2.11.0+cu128")
     assert got == {**dict.fromkeys(NAMES), "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                    "TORCH_FR_DUMP_TEMP_FILE": dump}  # fmt: skip
-    assert (tmp_path / "new" / "20261124-101500-ab12" / S.FLIGHT_DIR).is_dir()
+    assert (tmp_path / "new" / "20261124-101500-fa12" / S.FLIGHT_DIR).is_dir()
     # before 2.8: only the old names exist
-    dump = str(tmp_path / "old" / "20261124-101500-ab12" / S.FLIGHT_DIR / "rank_")
+    dump = str(tmp_path / "old" / "20261124-101500-fa12" / S.FLIGHT_DIR / "rank_")
     got = rank_env(tmp_path / "old", {"NODEOPS_FLIGHT_RECORDER": "1"}, torch="2.5.1")
     assert got == {**dict.fromkeys(NAMES), "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
                    "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}  # fmt: skip
     # a version that cannot be read: both names
-    dump = str(tmp_path / "odd" / "20261124-101500-ab12" / S.FLIGHT_DIR / "rank_")
+    dump = str(tmp_path / "odd" / "20261124-101500-fa12" / S.FLIGHT_DIR / "rank_")
     got = rank_env(tmp_path / "odd", {"NODEOPS_FLIGHT_RECORDER": "1"}, torch="nightly")
     assert got == {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dump,
@@ -107,7 +104,7 @@ def test_nothing_is_set_unless_asked_or_outside_a_rank(tmp_path: Path) -> None:
 
 def test_the_hook_names_the_debug_info_pipe_unless_the_user_did(tmp_path: Path) -> None:
     got = rank_env(tmp_path / "a", {"NODEOPS_FLIGHT_RECORDER": "1"}, names=("TORCH_NCCL_DEBUG_INFO_PIPE_FILE",))
-    pipe = str(tmp_path / "a" / "20261124-101500-ab12" / S.FLIGHT_DIR / S.FLIGHT_PIPE)
+    pipe = str(tmp_path / "a" / "20261124-101500-fa12" / S.FLIGHT_DIR / S.FLIGHT_PIPE)
     assert got == {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE": pipe}
     mine = {"NODEOPS_FLIGHT_RECORDER": "1", "TORCH_NCCL_DEBUG_INFO_PIPE_FILE": "/x/p_"}
     assert rank_env(tmp_path / "b", mine, names=("TORCH_NCCL_DEBUG_INFO_PIPE_FILE",)) == {

@@ -26,8 +26,7 @@ from nodeops.node import slurm_watch as W
 from nodeops.node import stacks as S
 from nodeops.node import stall as ST
 
-# its tests share one run id, found by tag in /proc: one xdist worker runs them, one at a time
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("run-20261124-101500-ab12")]
+pytestmark = pytest.mark.slow
 
 FAKE_SRUN = """#!/bin/bash
 # a stand-in for srun: the options, then the command, run once here as node "nodeA"

@@ -231,7 +231,7 @@ def stacks_ask_script(run_id: str, ask_id: str, native: bool, method: str) -> st
     came within STACKS_ASK_WAIT (the supervisor answers every host it can by then)."""
     ask, answer = P.STACKS_ASK + ask_id, P.STACKS_ANSWER + ask_id + ".json"
     body = sh_word(json.dumps({"native": native, "method": method}))
-    taken, waited = int(STACKS_TAKEN_WAIT / RESULT_POLL), int((P.STACKS_ASK_WAIT + 5) / RESULT_POLL)
+    taken, waited = round(STACKS_TAKEN_WAIT / RESULT_POLL), round((P.STACKS_ASK_WAIT + 5) / RESULT_POLL)
     return (
         f"cd {sh_word(remote_dir(run_id))} 2>/dev/null || {{ echo none; exit 0; }}; "
         f"p=$(cat {P.SUPERVISOR_PID} 2>/dev/null); "
@@ -311,7 +311,7 @@ def cat_when_there(path: str, wait: float) -> str:
     """bash that prints the file at ``path`` once it exists, looking every RESULT_POLL for up to
     ``wait`` seconds (once, without a sleep, for 0); prints nothing if it never came."""
     f = sh_word(path)
-    return (f"i=0; while :; do [ -e {f} ] && exec cat {f}; [ $i -ge {int(wait / RESULT_POLL)} ] && exit 0; "
+    return (f"i=0; while :; do [ -e {f} ] && exec cat {f}; [ $i -ge {round(wait / RESULT_POLL)} ] && exit 0; "
             f"i=$((i + 1)); sleep {RESULT_POLL}; done")  # fmt: skip
 
 
