@@ -22,26 +22,25 @@ echo "==> docker";   bash scripts/ensure-docker.sh   # integration tests run rea
 # tag in /proc) run beside the integration tests, which run alone, in order: they share the Docker
 # sandboxes and their timings assume the machine's cores (the first integration files set up
 # their sandboxes, with no timing bounds, while the unit tests run). The unit run's output is
-# printed when it ends. Extra arguments go to both runs. NODEOPS_TEST_WORKERS=0: one after the other.
+# printed when it ends. With other arguments than output flags (a -k, a path), or with
+# NODEOPS_TEST_WORKERS=0, pytest runs once, as asked, in one process.
 echo "==> pytest"
 workers=${NODEOPS_TEST_WORKERS:-3}
+for a in "$@"; do
+  case "$a" in -q | -qq | -v | -vv | -ra | -rA | -x) ;; *) workers=0 ;; esac
+done
+if [ "$workers" -eq 0 ]; then exec pytest "$@"; fi
 unit_log=$(mktemp /tmp/nodeops-unit.XXXXXX)
 unit_pid=""
 trap 'if [ -n "$unit_pid" ]; then kill "$unit_pid" 2>/dev/null; fi; rm -f "$unit_log"' EXIT
-if [ "$workers" -gt 0 ]; then
-  pytest -n "$workers" --dist loadfile "$@" tests/unit >"$unit_log" 2>&1 &
-  unit_pid=$!
-else
-  pytest "$@" tests/unit
-fi
+pytest -n "$workers" --dist loadfile "$@" tests/unit >"$unit_log" 2>&1 &
+unit_pid=$!
 integration_rc=0
 pytest "$@" tests/integration || integration_rc=$?
 unit_rc=0
-if [ -n "$unit_pid" ]; then
-  wait "$unit_pid" || unit_rc=$?
-  unit_pid=""
-  echo "==> pytest tests/unit (ran beside the integration tests, on $workers workers)"
-  cat "$unit_log"
-fi
+wait "$unit_pid" || unit_rc=$?
+unit_pid=""
+echo "==> pytest tests/unit (ran beside the integration tests, on $workers workers)"
+cat "$unit_log"
 echo "==> pytest: integration exit $integration_rc, unit exit $unit_rc"
 [ "$integration_rc" -eq 0 ] && [ "$unit_rc" -eq 0 ]
