@@ -383,19 +383,20 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
                 return 0
             last_beat = time.monotonic()
             buf += chunk
-            *cmds, buf = buf.split(b"\n")
-            heard = heard or b"arm" in (c.strip() for c in cmds)
+            *lines, buf = buf.split(b"\n")
+            cmds = [c.strip() for c in lines]
+            heard = heard or b"arm" in cmds
             if heard:
                 open(path(P.HEARTBEAT), "a").close()
                 os.utime(path(P.HEARTBEAT))
-            if b"stacks" in (c.strip() for c in cmds):
+            if b"stacks" in cmds:
                 threading.Thread(target=report_stacks, daemon=True).start()
             for c in cmds:
                 if c.startswith(b"stacks-for "):
-                    threading.Thread(target=answer_stacks, args=(c.strip(),), daemon=True).start()
-            if b"flight" in (c.strip() for c in cmds):  # NCCL ranks' flight-recorder dumps, now
+                    threading.Thread(target=answer_stacks, args=(c,), daemon=True).start()
+            if b"flight" in cmds:  # NCCL ranks' flight-recorder dumps, now
                 say("flight " + ",".join(str(r) for r in S.ask_flight(HERE)))
-            if b"stop" in (c.strip() for c in cmds) and not stopped:
+            if b"stop" in cmds and not stopped:
                 stopped = True
                 say(f"stopped {kill_run('stop requested by the supervisor')}")
                 if not has_job:

@@ -250,6 +250,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     hang: dict[str, Any] = {}
     # `nodeops stacks` asks being answered: id -> {"asked", "lines": {host: [line]}, "done": {host}}
     asks: dict[str, dict[str, Any]] = {}
+    asks_looked = 0.0  # when the run dir was last listed for new asks
     progressed: set[str] = set()  # hosts where a rank printed: until all have, it is start-up
     rearmed = 0  # the watchdog found no live rank anywhere and watched on (at most 3 times)
     began = time.monotonic()
@@ -485,7 +486,9 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 times.pop("failed", None)
             else:
                 judge_hang()
-        take_asks(asks, links, gone)
+        if time.monotonic() - asks_looked >= 0.2:  # not on every event: 64 hosts' progress lines
+            asks_looked = time.monotonic()
+            take_asks(asks, links, gone)
         answer_asks(asks, links, gone)
         if held and (time.monotonic() >= held["until"] or os.path.exists(stop_file)):
             why, spare = held["why"], held["spare"]
