@@ -152,7 +152,7 @@ def stacks(
 
     Ranks with the same stack are grouped; the ranks whose stack differs from the majority come
     first (in a hang, those are the stuck ones). Each rank's raw dump is saved in the run's record
-    here, under stacks/<time>/. A run that is still starting (right after `launch --detach`) is
+    here, under `stacks/TIME/`. A run that is still starting (right after `launch --detach`) is
     waited for, up to a minute. Exit 2 when the run has no live rank (it has ended). On Slurm
     the stacks are taken in one `srun --overlap` step beside the job's training step.
     """
