@@ -17,7 +17,7 @@
     came), ``pdsh-failed ADDRESS CODE`` (with --pdsh), ``stopped N`` (N processes of the run
     left after a stop). On stdin EOF or silence for HEARTBEAT_STALE (the chief or its supervisor
     died) it stops the run here; the silence counts once ``arm`` came (the supervisor sends it when
-    every guard has started; before it, ATTACH_DEADLINE), and ``heartbeat`` is touched from
+    every guard is watching; before it, ATTACH_DEADLINE), and ``heartbeat`` is touched from
     then. It exits once the job here has ended, or after a stop where
     there is no job.
 
@@ -334,10 +334,10 @@ def agent_alive() -> bool:
 def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = False) -> int:
     say("watching")
     progress = Progress() if watch_progress else None
-    # The dead man's switch (HEARTBEAT_STALE) is armed by the supervisor's ``arm``, sent once it
-    # has started every guard: until then a starved chief may send its heartbeats late (starting
-    # 64 guards took 45-83 s on 2 sandbox cores, and its heartbeats stalled for 15 s meanwhile), so
-    # only ATTACH_DEADLINE applies, as to the agent, which reads the heartbeat file this touches.
+    # The dead man's switch (HEARTBEAT_STALE) is armed by the supervisor's ``arm``, sent once every
+    # guard is watching: until then a starved chief may send its heartbeats late (starting 64
+    # guards took 45-94 s on 2 sandbox cores, and heartbeats stalled for 15 s meanwhile), so only
+    # ATTACH_DEADLINE applies, as to the agent, which reads the heartbeat file this touches.
     heard = False
     last_beat = time.monotonic()
     scan = LogScan()

@@ -219,8 +219,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(GUARD_STARTERS, max(1, len(hosts)))) as pool:
         in_order = list(pool.map(start_guard, hosts))
     links[:] = in_order  # the hosts' order (results, the first failure's ties)
-    for lk in links:  # every guard started: from now on the heartbeats keep time (each guard's switch)
-        lk.send("arm")
+    armed = False  # `arm` goes to every guard once each is watching (arm_when_watching)
     by_address = {lk.address: lk for lk in links}
     first: dict[str, Any] | None = None
     stopping_since: float | None = None  # a failure or a stop request: the teardown's clock
@@ -380,6 +379,20 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             if not lk.sent_stop:
                 fail(lk, "lost", lk.lost, P.CAUSE_LOST, kind="lost")
 
+    def arm_when_watching() -> None:
+        """Once every guard is watching (or gone), ``arm`` its dead man's switch: from then on its
+        heartbeats keep time. Not as soon as the guards' processes are started: their ssh
+        connections are still being made then. In a 64-node sandbox the last guard was watching
+        94 s after the supervisor started, and one armed 35 s before that, while the chief made
+        the other connections, heard no heartbeat for 15 s and stopped a healthy run."""
+        nonlocal armed
+        if armed or not all(lk.watching or lk.name in gone for lk in links):
+            return
+        armed = True
+        log("every guard is watching: their switches are armed")
+        for lk in links:
+            lk.send("arm")
+
     def judge_hang() -> None:
         """Every guard answered (or STACKS_WAIT passed): name the ranks whose stack differs from
         the majority, keep every dump in hang.json, and stop the run as hung."""
@@ -486,6 +499,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 times.pop("failed", None)
             else:
                 judge_hang()
+        arm_when_watching()
         if time.monotonic() - asks_looked >= 0.2:  # not on every event: 64 hosts' progress lines
             asks_looked = time.monotonic()
             take_asks(asks, links, gone)

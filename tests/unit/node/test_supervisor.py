@@ -638,3 +638,29 @@ def test_a_guards_switch_counts_silence_only_once_the_supervisor_armed_it(tmp_pa
             if g.poll() is None:
                 g.kill()
                 g.wait()
+
+
+def test_the_supervisor_arms_the_switches_only_once_every_guard_is_watching(tmp_path: Path) -> None:
+    """``arm`` waits for every guard's first line, not only for its process: h2's guard starts 3 s
+    late here (as a guard whose ssh connection a starved chief makes last), and h1's switch, with
+    the heartbeat file it touches, stays unarmed until then."""
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    slow = dirs[1] / "agent.py"
+    code = slow.read_text()
+    assert code.count('    say("watching")\n') == 1
+    slow.write_text(code.replace('    say("watching")\n', '    time.sleep(3)\n    say("watching")\n'))
+    sup = start(dirs)
+    try:
+        beat = dirs[0] / P.HEARTBEAT
+        deadline = time.monotonic() + 20
+        while not beat.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert beat.exists(), "h1's switch was never armed"
+        log = (chief / P.SUPERVISOR_LOG).read_text()
+        assert "h2: watching" in log, f"h1 was armed before h2's guard was watching:\n{log}"
+        assert log.index("h2: watching") < log.index("every guard is watching: their switches are armed"), log
+    finally:
+        (chief / P.STOP_REQUEST).touch()
+        res = result_of(chief, sup)
+    assert res["outcome"] == "stopped"
+    assert wait_clean(dirs) == []
