@@ -15,7 +15,12 @@ spec is used throughout (a wheelhouse package, a workdir, env vars, ib off):
   points at it with the ssh group's `python_venv`, as a cluster's shared filesystem would hold
   it), so no node installs torch:
   - launch, pdsh: the same torchrun command fanned out with `pdsh -R ssh -f N` (DeepSpeed's PDSH
-    runner's way: same ssh_config, env file and env), measured in the same run, alternating;
+    runner's way: same ssh_config, env file and env), measured in the same run, alternating. It
+    runs torchrun with the output settings of nodeops' job.sh (PET_TEE=3 and its line prefix,
+    PYTHONUNBUFFERED=1): torchrun's tee polls every rank's log files every 0.1 s, which at 64
+    sandbox nodes cost torchrun ~11 CPU s, so a baseline without it is not the same command;
+  - launch, pdsh, plain torchrun: the same without those settings (each rank's output straight
+    to torchrun's), for reference;
   - launch: `nodeops launch --no-check` of a trivial gloo job (init, barrier, exit);
   - stacks: `nodeops stacks --json` of a detached run whose every rank is alive (counted in the
     containers), and how many ranks it returned;
@@ -67,6 +72,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from _bench import WHEELS  # noqa: E402  (bench/, beside this script)
 from _cost import Cost, Sampler, container_cmdlines, cpu_seconds, mem_available_gib  # noqa: E402
 
+from nodeops.launch.plan import TEE_ENV  # noqa: E402
+from nodeops.quoting import sh_word  # noqa: E402
 from nodeops.sandbox import cluster as sandbox  # noqa: E402
 from nodeops.spec.loading import load_spec  # noqa: E402
 
@@ -75,7 +82,8 @@ SUBNET = "10.218.0.0/24"
 NODEOPS = [sys.executable, "-m", "nodeops"]
 FULL = "no-op, --full"
 SETUP_STEPS = ["cold setup", "no-op setup", FULL, "check"]
-LAUNCH_STEPS = ["launch, pdsh", "launch", "stacks", "stop", "failure"]
+PLAIN = "launch, pdsh, plain torchrun"
+LAUNCH_STEPS = ["launch, pdsh", PLAIN, "launch", "stacks", "stop", "failure"]
 SHARED = "/opt/nodeops-shared"  # where every node sees the shared env (read-only)
 TRIVIAL = "import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n"
 IDLE = "import time\nimport torch.distributed as d\nd.init_process_group('gloo')\nwhile True:\n    time.sleep(0.5)\n"
@@ -280,28 +288,35 @@ def setup_rows(b: Bench, spec: Path, skip: set[str], say: sandbox.Say) -> dict[s
     return out
 
 
-def pdsh_argv(b: Bench, spec: Path, work: Path) -> tuple[list[str], dict[str, str]]:
+def pdsh_argv(b: Bench, spec: Path, work: Path, tee: bool = True) -> tuple[list[str], dict[str, str]]:
     """The launch's torchrun command on every node at once with pdsh, as DeepSpeed's PDSH runner
-    does: the same ssh_config (strict host keys, ControlMaster), env file and shared env."""
+    does: the same ssh_config (strict host keys, ControlMaster), env file and shared env. ``tee``:
+    with the output settings of nodeops' job.sh (launch.plan.TEE_ENV, PYTHONUNBUFFERED=1), the
+    ranks' log files in a directory of the run's own, removed after it."""
     n = len(b.sb.nodes)
     cfg = work / "ssh_config"
     cfg.write_text(b.sb.ssh_config.read_text())
     env = {**b.env, "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS": f"-F {cfg} -x %h"}
-    remote = (
-        f"cd /srv/scale && . ~/.nodeops/{load_spec(spec).cluster_name}/env.sh && . {SHARED}/env/bin/activate && "
+    torchrun = (
         f"python3 -m torch.distributed.run --nnodes {n} --nproc-per-node 1 --node-rank %n "
         f"--master-addr {b.sb.nodes[0].address} --master-port 29500 trivial.py"
     )
-    return ["pdsh", "-S", "-f", str(n), "-w", ",".join(nd.name for nd in b.sb.nodes), remote], env
+    if tee:
+        exports = " ".join(f"{k}={sh_word(v)}" for k, v in {**TEE_ENV, "PYTHONUNBUFFERED": "1"}.items())
+        torchrun = (f'logs=$(mktemp -d) && export PET_LOG_DIR="$logs" {exports} && {{ {torchrun}; rc=$?; '
+                    'rm -rf "$logs"; exit $rc; }')  # fmt: skip
+    remote = f"cd /srv/scale && . ~/.nodeops/{load_spec(spec).cluster_name}/env.sh && . {SHARED}/env/bin/activate && "
+    return ["pdsh", "-S", "-f", str(n), "-w", ",".join(nd.name for nd in b.sb.nodes), remote + torchrun], env
 
 
 def launch_rows(b: Bench, spec: Path, work: Path, runs: int, say: sandbox.Say) -> dict[str, Step | None]:
     n = len(b.sb.nodes)
     pdsh, pdsh_env = pdsh_argv(b, spec, work)
+    plain, _ = pdsh_argv(b, spec, work, tee=False)
     launch = [*NODEOPS, "launch", str(spec), "--no-check", "--", "trivial.py"]
-    tries: dict[str, list[Step]] = {"launch, pdsh": [], "launch": []}
-    for i in range(runs):  # alternating, so both see the same page cache and ssh masters
-        for label, argv, env in (("launch, pdsh", pdsh, pdsh_env), ("launch", launch, None)):
+    tries: dict[str, list[Step]] = {"launch, pdsh": [], PLAIN: [], "launch": []}
+    for i in range(runs):  # alternating, so all see the same page cache and ssh masters
+        for label, argv, env in (("launch, pdsh", pdsh, pdsh_env), (PLAIN, plain, pdsh_env), ("launch", launch, None)):
             s = b.timed(argv, env)
             tries[label].append(s)
             say_step(say, f"{label} (run {i + 1})", s)
@@ -511,6 +526,9 @@ def print_goals(results: dict[int, dict[str, Step | None]]) -> int:
             print(f"  no-op setup vs --full (the Ansible no-op), {n} node(s): {noop / full:.2f}x")
         launch, pdsh = wall(n, "launch"), wall(n, "launch, pdsh")
         goal(f"launch vs pdsh, {n} node(s)", launch / pdsh if launch and pdsh else None, 1.2, "x")
+        bare = wall(n, PLAIN)
+        if launch and bare:
+            print(f"  launch vs pdsh of plain torchrun (no tee), {n} node(s): {launch / bare:.2f}x")
         goal(f"stacks of every rank, {n} node(s)", wall(n, "stacks"), 2, " s")
         goal(f"stop: nothing left, {n} node(s)", wall(n, "stop"), 3, " s")
         goal(f"a failure stops every rank, {n} node(s)", wall(n, "failure"), 3, " s")
