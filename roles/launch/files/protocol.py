@@ -66,7 +66,10 @@ HEARTBEAT_EVERY = 1.0  # supervisor -> every guard
 # is not counted (:func:`late`).
 HEARTBEAT_STALE = 15.0
 LATE = 1.0  # a sleep that overran by this much: the host (or this process) was not running meanwhile
-ATTACH_DEADLINE = 150.0  # a job that no supervisor attached to within this is stopped (> the start budget)
+# A job that no supervisor armed within this is stopped (its agent), and an unarmed guard stops after
+# this much silence. The supervisor arms once every guard is watching: at 64 sandbox nodes (a starved
+# chief) that came up to ~107 s after the agents started, so 150 s was a thin margin.
+ATTACH_DEADLINE = 300.0
 GRACE = 2.0  # SIGTERM, then this long, then SIGKILL
 RESULT_WAIT = 20.0  # how long the controller waits for result.json after the last host ended
 

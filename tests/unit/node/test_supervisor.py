@@ -604,9 +604,9 @@ def test_a_guards_switch_counts_silence_only_once_the_supervisor_armed_it(tmp_pa
         d.mkdir(parents=True)
         ship(d)
         shipped = (d / "protocol.py").read_text()
-        assert "HEARTBEAT_STALE = 15.0" in shipped and "ATTACH_DEADLINE = 150.0" in shipped
+        assert "HEARTBEAT_STALE = 15.0" in shipped and "ATTACH_DEADLINE = 300.0" in shipped
         (d / "protocol.py").write_text(shipped.replace("HEARTBEAT_STALE = 15.0", "HEARTBEAT_STALE = 2.0")
-                                       .replace("ATTACH_DEADLINE = 150.0", "ATTACH_DEADLINE = 6.0"))  # fmt: skip
+                                       .replace("ATTACH_DEADLINE = 300.0", "ATTACH_DEADLINE = 6.0"))  # fmt: skip
         g = subprocess.Popen([sys.executable, str(d / "agent.py"), "guard"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
         return d, g
