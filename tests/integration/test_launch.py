@@ -485,6 +485,11 @@ def test_chief_container_killed_every_other_rank_gone_by_the_switch(
         while time.monotonic() < deadline and not all(leftovers(sandbox_cluster).values()):
             time.sleep(1)
         assert all(leftovers(sandbox_cluster).values()), "the job never started on every node"
+        # the switches are armed once every guard is watching: the chief dies after that
+        armed = f"grep -qs 'their switches are armed' .nodeops/runs/{p.stdout.strip()}/supervisor.log"
+        while time.monotonic() < deadline and ssh(sandbox_cluster, "node1", armed).returncode != 0:
+            time.sleep(0.5)
+        assert ssh(sandbox_cluster, "node1", armed).returncode == 0, "the supervisor never armed the guards"
         subprocess.run(["docker", "kill", node1.container], check=True, capture_output=True)
         killed = time.monotonic()
         deadline = killed + P.HEARTBEAT_STALE + 5

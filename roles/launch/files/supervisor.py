@@ -55,6 +55,10 @@ else:  # shipped: protocol.py, recovery.py, stacks.py and stall.py lie beside th
 
 STACKS_WAIT = 40.0  # how long the hang watchdog waits for every guard's stacks
 GUARD_STARTERS = 16  # guards started at once (each an ssh exec'd; sshd's MaxStartups is per target)
+# `arm` waits for every guard to be watching, but no longer than this after they were started: a
+# guard stuck before its first line must not keep every host's agent from being armed (each stops
+# its job at protocol.ATTACH_DEADLINE, 300 s). The laggard gets `arm` whenever it starts reading.
+ARM_WAIT = 150.0
 FLIGHT_WAIT = 2.0  # NCCL ranks asked for their flight-recorder dump write it within a second: stop after this
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -220,6 +224,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         in_order = list(pool.map(start_guard, hosts))
     links[:] = in_order  # the hosts' order (results, the first failure's ties)
     armed = False  # `arm` goes to every guard once each is watching (arm_when_watching)
+    arm_by = time.monotonic() + ARM_WAIT
     by_address = {lk.address: lk for lk in links}
     first: dict[str, Any] | None = None
     stopping_since: float | None = None  # a failure or a stop request: the teardown's clock
@@ -310,7 +315,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         words = line.split()
         if not words:
             return
-        if line == "watching":
+        if line == "watching" or (not lk.watching and line.endswith("watching")):  # glued to a login banner
             lk.watching = True
         elif line == "progress":
             if lk.here and own_mark and own_mark[-1] == job_marks():
@@ -380,16 +385,23 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 fail(lk, "lost", lk.lost, P.CAUSE_LOST, kind="lost")
 
     def arm_when_watching() -> None:
-        """Once every guard is watching (or gone), ``arm`` its dead man's switch: from then on its
+        """Once every guard is watching (or gone), or ARM_WAIT after they were started, ``arm`` each
+        guard's dead man's switch: from then on its
         heartbeats keep time. Not as soon as the guards' processes are started: their ssh
         connections are still being made then. In a 64-node sandbox the last guard was watching
         94 s after the supervisor started, and one armed 35 s before that, while the chief made
         the other connections, heard no heartbeat for 15 s and stopped a healthy run."""
         nonlocal armed
-        if armed or not all(lk.watching or lk.name in gone for lk in links):
+        if armed:
+            return
+        late = [lk.name for lk in links if not lk.watching and lk.name not in gone]
+        if late and time.monotonic() < arm_by:
             return
         armed = True
-        log("every guard is watching: their switches are armed")
+        if late:
+            log(f"not watching {ARM_WAIT:.0f}s after their start: {', '.join(late)}; every switch armed anyway")
+        else:
+            log("every guard is watching: their switches are armed")
         for lk in links:
             lk.send("arm")
 

@@ -664,3 +664,31 @@ def test_the_supervisor_arms_the_switches_only_once_every_guard_is_watching(tmp_
         res = result_of(chief, sup)
     assert res["outcome"] == "stopped"
     assert wait_clean(dirs) == []
+
+
+def test_a_guard_that_never_says_watching_does_not_keep_the_others_unarmed(tmp_path: Path) -> None:
+    """A guard stuck before its first line (a hung home directory, a slow host): the others are
+    armed ARM_WAIT after the guards were started (3 s here, in the chief's shipped supervisor.py),
+    and the supervisor's log names the late one."""
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    sup_py = chief / "supervisor.py"
+    assert sup_py.read_text().count("ARM_WAIT = 150.0\n") == 1
+    sup_py.write_text(sup_py.read_text().replace("ARM_WAIT = 150.0\n", "ARM_WAIT = 3.0\n"))
+    slow = dirs[1] / "agent.py"
+    slow.write_text(slow.read_text().replace('    say("watching")\n', '    time.sleep(10)\n    say("watching")\n'))
+    t0 = time.monotonic()
+    sup = start(dirs)
+    try:
+        beat = dirs[0] / P.HEARTBEAT
+        while not beat.exists() and time.monotonic() - t0 < 9:
+            time.sleep(0.05)
+        assert beat.exists(), "h1 was not armed while h2's guard said nothing"
+        assert 2.5 < time.monotonic() - t0 < 9
+        log = (chief / P.SUPERVISOR_LOG).read_text()
+        assert "not watching 3s after their start: h2; every switch armed anyway" in log, log
+        assert "h2: watching" not in log
+    finally:
+        (chief / P.STOP_REQUEST).touch()
+        res = result_of(chief, sup, timeout=45)
+    assert res["outcome"] == "stopped"
+    assert wait_clean(dirs, 15) == []
