@@ -112,9 +112,13 @@ def test_a_spare_warms_its_env_once_and_its_preflight_ends_the_warm_up(tmp_path:
     assert p.returncode == 0 and P.STARTED in p.stdout, p.stderr
     d = tmp_path / ".nodeops" / "runs" / "20261122-101500-ab12"
     deadline = time.monotonic() + 10
-    while not (tmp_path / "warm-args").exists() and time.monotonic() < deadline:
+
+    def said_so_far() -> str:  # the fake writes its arguments, then its nice level: both lines
+        return (tmp_path / "warm-args").read_text() if (tmp_path / "warm-args").exists() else ""
+
+    while "\nnice " not in said_so_far() and time.monotonic() < deadline:
         time.sleep(0.05)
-    said = (tmp_path / "warm-args").read_text()  # (the program has lines of its own)
+    said = said_so_far()  # (the program has lines of its own)
     assert said.startswith("-c import importlib") and said.endswith(f" {' '.join(starter.WARM_MODULES)}\nnice 19\n")
     tag = f"{P.TAG_VAR}=20261122-101500-ab12"
     warm = [pid for pid in os.listdir("/proc") if pid.isdigit() and _environ_has(pid, tag)]
