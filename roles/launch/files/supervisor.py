@@ -386,11 +386,11 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
 
     def arm_when_watching() -> None:
         """Once every guard is watching (or gone), or ARM_WAIT after they were started, ``arm`` each
-        guard's dead man's switch: from then on its
-        heartbeats keep time. Not as soon as the guards' processes are started: their ssh
-        connections are still being made then. In a 64-node sandbox the last guard was watching
-        94 s after the supervisor started, and one armed 35 s before that, while the chief made
-        the other connections, heard no heartbeat for 15 s and stopped a healthy run."""
+        guard's dead man's switch: from then on its heartbeats keep time. Not as soon as the
+        guards' processes are started: their ssh connections are still being made then. In a
+        64-node sandbox the last guard was watching 94 s after the supervisor started, and one
+        armed 35 s before that, while the chief made the other connections, heard no heartbeat for
+        15 s and stopped a healthy run."""
         nonlocal armed
         if armed:
             return
