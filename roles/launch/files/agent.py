@@ -44,6 +44,8 @@ supervisor) it says ``stacks-for ID LINE`` for each line ``agent.py stacks`` wou
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import select
@@ -90,6 +92,63 @@ def write_atomic(name: str, text: str) -> None:
 def log(msg: str) -> None:
     with open(path(P.AGENT_LOG), "a") as f:
         f.write(f"{time.time():.3f} {os.getpid()} {msg}\n")
+
+
+# --------------------------------------------------------------------------- waiting
+# The agent and the guard live on every host for the whole run, so they wait for what they
+# watch instead of looking every POLL: the job's or the agent's end (a pidfd), a signal (a
+# wakeup pipe), the supervisor's lines (stdin), host.log's growth (inotify). They still look
+# every IDLE (a heartbeat's staleness, the progress file). Where the kernel gives no pidfd
+# (Linux < 5.3, Python < 3.9) or no inotify, they look every POLL, as they all did before: at
+# 64 sandbox nodes those looks cost the nodes ~2.5 ms of CPU a second each (docs/design.md).
+POLL = 0.2
+IDLE = 1.0
+IN_MODIFY = 0x2  # <sys/inotify.h>
+
+
+def pidfd(pid: int) -> int | None:
+    """A descriptor that turns readable once process ``pid`` has ended (a zombie has), or None
+    where there is none to be had (Linux < 5.3, Python < 3.9) or ``pid`` is gone already."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+class Growth:
+    """A descriptor that turns readable when ``file`` is written: inotify, through libc (the agent
+    is stdlib only). ``fd()`` is None until the file exists, and for good where inotify is not
+    to be had (no such call, or the user's inotify instances are used up)."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.watch: int | None = None
+        self.failed = False
+
+    def fd(self) -> int | None:
+        if self.watch is not None or self.failed or not os.path.exists(self.file):
+            return self.watch
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
+        except (OSError, AttributeError):
+            fd = -1
+        if fd < 0:
+            self.failed = True
+            return None
+        if libc.inotify_add_watch(fd, os.fsencode(self.file), IN_MODIFY) < 0:
+            self.failed = ctypes.get_errno() != errno.ENOENT  # removed meanwhile: try again
+            os.close(fd)
+            return None
+        self.watch = fd
+        return fd
+
+    def drain(self) -> None:
+        """Read the events so far: a write after this wakes the next wait."""
+        if self.watch is not None:
+            with contextlib.suppress(OSError):  # BlockingIOError once they are read
+                while os.read(self.watch, 4096):
+                    pass
 
 
 def tagged_pids() -> list[int]:
@@ -164,6 +223,12 @@ def host() -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
+    woken, wake = os.pipe()  # a signal writes here, so the wait below ends at once
+    for fd in (woken, wake):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
+    job_end = pidfd(job.pid)
+    asked = IDLE if job_end is not None else POLL
     started = time.monotonic()
     seen_beat, beat_at = mtime(P.HEARTBEAT), time.monotonic()  # staleness on this clock, not the wall's
     slept = 0.0
@@ -173,7 +238,7 @@ def host() -> int:
             break
         beat = mtime(P.HEARTBEAT)
         now = time.monotonic()
-        beat_at += P.late(0.2, slept, now) if slept else 0.0  # this host was not running: no one's silence
+        beat_at += P.late(asked, slept, now) if slept else 0.0  # this host was not running: no one's silence
         if beat != seen_beat:
             seen_beat, beat_at = beat, now
         lost = stopping[0] if stopping else ""
@@ -187,7 +252,9 @@ def host() -> int:
             rc = job.wait()
             break
         slept = time.monotonic()
-        time.sleep(0.2)
+        select.select([woken] if job_end is None else [woken, job_end], [], [], asked)
+        with contextlib.suppress(OSError):  # BlockingIOError once it is read
+            os.read(woken, 64)
     write_atomic(P.EXIT, str(rc if rc >= 0 else 128 - rc))
     log(f"job ended: {rc}")
     return 0
@@ -347,10 +414,35 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
     last_step: int | None = None  # the last training step a rank here printed (a failure's signature)
     stopped = False
     buf = b""
+    growth = Growth(path(P.LOG)) if agent_final or pdsh or watch_progress else None
+    agent_end: int | None = None  # the host agent's pidfd: -1 where none is to be had, or once it fired
+    looked = 0.0
     while True:
+        fds, wait = [0], IDLE
+        if has_job:
+            if agent_end is None and (pid := read(P.AGENT_PID) or "").isdigit():
+                fd = pidfd(int(pid))
+                agent_end = -1 if fd is None else fd
+            if agent_end is None or agent_end < 0:
+                wait = POLL
+            else:
+                fds.append(agent_end)
+        log_fd = growth.fd() if growth is not None else None
+        if log_fd is not None:
+            fds.append(log_fd)
+        elif growth is not None:
+            wait = POLL
         asked = time.monotonic()
-        ready = select.select([0], [], [], 0.2)[0]
-        last_beat += P.late(0.2, asked, time.monotonic())  # this host was not running: no one's silence
+        ready = select.select(fds, [], [], wait)[0]
+        if ready == [log_fd] and (rest := looked + POLL - time.monotonic()) > 0:  # at most one look a POLL for the log
+            ready = select.select([f for f in fds if f != log_fd], [], [], rest)[0] or ready
+        last_beat += P.late(wait, asked, time.monotonic())  # this host was not running: no one's silence
+        if agent_end is not None and agent_end in ready:  # ended: from now on, look every POLL
+            os.close(agent_end)
+            agent_end = -1
+        looked = time.monotonic()
+        if growth is not None:
+            growth.drain()
         # The log first: a failure printed before a stop arrives is reported, not lost to the stop.
         if agent_final or pdsh or (watch_progress and not ranks_up):
             for line in scan.lines():
@@ -376,7 +468,7 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
                     say(f"pdsh-failed {m.group(1)} {m.group(2)}")
         if progress is not None and progress.moved():
             say("progress")
-        if ready:
+        if 0 in ready:
             chunk = os.read(0, 4096)
             if not chunk:  # the supervisor (or the chief) is gone: stop here, and say so if anyone listens
                 say(f"lost-stopped {kill_run('the supervisor connection closed')} the supervisor connection closed")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from nodeops.backends import starter
 from nodeops.launch import launchers
@@ -158,12 +161,41 @@ def fake_agent(run: Path, seconds: float) -> subprocess.Popen[bytes]:
     return p
 
 
-def test_follow_streams_the_log_and_ends_with_the_job_never_later(tmp_path: Path) -> None:
+def descendants(pid: int) -> list[str]:
+    """The command lines of ``pid``'s children, theirs, and so on."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    found = []
+    for kid in kids:
+        with contextlib.suppress(OSError):
+            found.append(Path(f"/proc/{kid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        found += descendants(int(kid))
+    return found
+
+
+@pytest.fixture(params=["pidfd", "no pidfd"])
+def follow_env(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, str]:
+    """follow.sh's waiter sleeps on the agent's pidfd through python3; where python3 has none (Linux
+    < 5.3, Python < 3.9: a python3 that exits 3 here) it looks every 0.2 s with bash builtins."""
+    if request.param == "pidfd":
+        return dict(os.environ)
+    fake = tmp_path / "no-pidfd"
+    fake.mkdir()
+    (fake / "python3").write_text("#!/bin/sh\nexit 3\n")
+    (fake / "python3").chmod(0o755)
+    return dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}")
+
+
+def test_follow_streams_the_log_and_ends_with_the_job_never_later(tmp_path: Path, follow_env: dict[str, str]) -> None:
     run = follow_script(tmp_path)
     agent = fake_agent(run, 30)  # an agent that lingers: exit_code ends the stream anyway
     try:
-        follow = subprocess.Popen(["bash", str(run / "follow.sh")], stdout=subprocess.PIPE, text=True)
+        follow = subprocess.Popen(["bash", str(run / "follow.sh")], stdout=subprocess.PIPE, text=True, env=follow_env)
         time.sleep(0.5)
+        waiters = [c for c in descendants(follow.pid) if "pidfd_open" in c]
+        assert len(waiters) == (0 if "no-pidfd" in follow_env["PATH"] else 1), waiters
         with (run / P.LOG).open("a") as f:
             f.write("second line, no newline")
         time.sleep(0.3)
@@ -177,11 +209,13 @@ def test_follow_streams_the_log_and_ends_with_the_job_never_later(tmp_path: Path
         agent.wait()
 
 
-def test_follow_ends_when_the_agent_dies_or_is_not_the_agent(tmp_path: Path) -> None:
+def test_follow_ends_when_the_agent_dies_or_is_not_the_agent(tmp_path: Path, follow_env: dict[str, str]) -> None:
     run = follow_script(tmp_path)
     agent = fake_agent(run, 1)
     t0 = time.monotonic()
-    out = subprocess.run(["bash", str(run / "follow.sh")], capture_output=True, text=True, timeout=10).stdout
+    out = subprocess.run(
+        ["bash", str(run / "follow.sh")], capture_output=True, text=True, timeout=10, env=follow_env
+    ).stdout
     agent.wait()
     assert out == f"first line\n{P.EXIT_MARK}killed\n"  # no exit_code: it did not end by itself
     assert 0.5 < time.monotonic() - t0 < 5
@@ -190,9 +224,55 @@ def test_follow_ends_when_the_agent_dies_or_is_not_the_agent(tmp_path: Path) -> 
     try:
         (run / P.AGENT_PID).write_text(str(other.pid))
         t0 = time.monotonic()
-        out = subprocess.run(["bash", str(run / "follow.sh")], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            ["bash", str(run / "follow.sh")], capture_output=True, text=True, timeout=10, env=follow_env
+        ).stdout
         assert out == f"first line\n{P.EXIT_MARK}killed\n"
         assert time.monotonic() - t0 < 8  # not the agent's 30 s
     finally:
         other.kill()
         other.wait()
+
+
+def test_follow_ends_when_its_reader_is_gone_though_the_job_goes_on(tmp_path: Path) -> None:
+    """An interrupted `nodeops logs -f`: ssh closes the stream's reader. tail sees it and ends, and
+    follow.sh with it (coreutils >= 8.28); the waiter sees it too (an error on its fd 4) and does
+    not linger until the job ends, as it did while it looked every 0.2 s."""
+    run = follow_script(tmp_path)
+    agent = fake_agent(run, 30)
+    try:
+        follow = subprocess.Popen(["bash", str(run / "follow.sh")], stdout=subprocess.PIPE)
+        assert follow.stdout is not None
+        assert follow.stdout.readline() == b"first line\n"
+        deadline = time.monotonic() + 5
+        while not [c for c in descendants(follow.pid) if c.startswith("tail ")]:  # the waiter is started first
+            assert time.monotonic() < deadline, descendants(follow.pid)
+            time.sleep(0.05)
+        kids = Path(f"/proc/{follow.pid}/task/{follow.pid}/children").read_text().split()
+        left = [int(k) for k in kids] + [int(g) for k in kids for g in _children(int(k))]
+        follow.stdout.close()
+        t0 = time.monotonic()
+        follow.wait(timeout=10)
+        assert time.monotonic() - t0 < 5  # not the agent's 30 s
+        deadline = time.monotonic() + 5
+        while alive := [p for p in left if not _zombie(p)]:
+            assert time.monotonic() < deadline, f"follow.sh's children outlived it: {alive}"
+            time.sleep(0.05)
+        assert agent.poll() is None  # the job's side is untouched
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def _children(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -692,3 +693,81 @@ def test_a_guard_that_never_says_watching_does_not_keep_the_others_unarmed(tmp_p
         res = result_of(chief, sup, timeout=45)
     assert res["outcome"] == "stopped"
     assert wait_clean(dirs, 15) == []
+
+
+def wakes(pid: int) -> int:
+    """How many times process ``pid`` has gone to sleep and been woken (its voluntary context
+    switches): a loop that looks every 0.2 s adds five a second, one that waits adds none."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no voluntary_ctxt_switches for {pid}")
+
+
+def test_the_agent_and_the_guard_sleep_until_something_happens(tmp_path: Path) -> None:
+    """The agent and the guard run on every host for the whole run: they wait on the job's and the
+    agent's pidfds, stdin and host.log's inotify, and look only every IDLE (1 s) besides. Over 4 s
+    of a quiet job the agent wakes about 4 times (it woke 20 looking every 0.2 s), the guard about
+    8 (the supervisor's 4 heartbeats, and its own looks; 24 before). Once the job ends, its agent
+    and guard say so at once."""
+    chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n"})
+    sup = start(dirs)
+    try:
+        deadline = time.monotonic() + 20
+        sup_log = chief / P.SUPERVISOR_LOG
+        while not sup_log.exists() or "every guard is watching" not in sup_log.read_text():
+            assert time.monotonic() < deadline, "the guard never said watching"
+            time.sleep(0.1)
+        agent = int((chief / P.AGENT_PID).read_text())
+        (guard,) = [int(e.split()[0]) for e in ours(dirs) if "agent.py guard" in e]
+        before = wakes(agent), wakes(guard)
+        time.sleep(4)
+        agent_wakes, guard_wakes = wakes(agent) - before[0], wakes(guard) - before[1]
+        assert agent_wakes <= 8, f"the agent woke {agent_wakes} times in 4 s"
+        assert guard_wakes <= 14, f"the guard woke {guard_wakes} times in 4 s"
+        os.killpg(int((chief / P.PGID).read_text()), signal.SIGTERM)
+        res = result_of(chief, sup)
+    finally:
+        if sup.poll() is None:
+            (chief / P.STOP_REQUEST).touch()
+            sup.wait(timeout=30)
+    assert res["outcome"] == "failed"
+    assert wait_clean(dirs) == []
+
+
+def test_growth_wakes_a_wait_when_its_file_is_written(tmp_path: Path) -> None:
+    """The guard's wait on host.log: no descriptor until the file exists (the guard looks every
+    0.2 s meanwhile), then one that turns readable on a write and quiet again once drained."""
+    log = tmp_path / "host.log"
+    growth = agent_mod.Growth(str(log))
+    assert growth.fd() is None
+    log.write_text("")
+    fd = growth.fd()
+    assert fd is not None and growth.fd() == fd
+    try:
+        assert select_ready(fd) is False
+        with log.open("a") as f:
+            f.write("a line\n")
+        assert select_ready(fd) is True
+        growth.drain()
+        assert select_ready(fd) is False
+    finally:
+        os.close(fd)
+
+
+def select_ready(fd: int) -> bool:
+    return bool(select.select([fd], [], [], 0.2)[0])
+
+
+def test_a_pidfd_turns_readable_when_its_process_ends(tmp_path: Path) -> None:
+    child = subprocess.Popen(["sleep", "30"])
+    fd = agent_mod.pidfd(child.pid)
+    assert fd is not None  # this machine's kernel has pidfds (Linux >= 5.3); a node without them polls
+    try:
+        assert select_ready(fd) is False
+        child.terminate()
+        assert select.select([fd], [], [], 5)[0] == [fd]
+    finally:
+        child.wait()
+        os.close(fd)
+    assert agent_mod.pidfd(child.pid) is None  # gone: the caller looks every POLL instead
