@@ -498,8 +498,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             why = f"no heartbeat from the supervisor {since}"
             say(f"lost-stopped {kill_run(why)} {why}")
             return 0
-        if not has_job:
-            continue
+        if not has_job or (agent_end is not None and agent_end >= 0):
+            continue  # the agent writes exit_code and ends: its pidfd has not fired, so neither has happened
         code = read(P.EXIT)
         if code is None and read(P.PGID) is not None and not agent_alive():
             time.sleep(0.3)  # the agent may have written exit_code just before it ended
