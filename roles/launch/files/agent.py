@@ -44,7 +44,6 @@ supervisor) it says ``stacks-for ID LINE`` for each line ``agent.py stacks`` wou
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import os
@@ -106,6 +105,27 @@ IDLE = 1.0
 IN_MODIFY = 0x2  # <sys/inotify.h>
 
 
+def agent_pidfd() -> int | None:
+    """The host agent's pidfd, once ``agent.pid`` names it: None while it names none, -1 where no
+    pidfd is to be had (the caller looks every POLL) or the pid is not the agent's (gone, or
+    reused by another process). Checked after the pidfd is open: the pid cannot be reused then."""
+    pid = read(P.AGENT_PID) or ""
+    if not pid.isdigit():
+        return None
+    fd = pidfd(int(pid))
+    if fd is None:
+        return -1
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            ours = b"agent.py" in f.read() and not select.select([fd], [], [], 0)[0]
+    except OSError:
+        ours = False
+    if not ours:
+        os.close(fd)
+        return -1
+    return fd
+
+
 def pidfd(pid: int) -> int | None:
     """A descriptor that turns readable once process ``pid`` has ended (a zombie has), or None
     where there is none to be had (Linux < 5.3, Python < 3.9) or ``pid`` is gone already."""
@@ -128,17 +148,19 @@ class Growth:
     def fd(self) -> int | None:
         if self.watch is not None or self.failed or not os.path.exists(self.file):
             return self.watch
-        try:
+        try:  # imported here: only the guard needs it, and a Python without ctypes only polls
+            import ctypes
+
             libc = ctypes.CDLL(None, use_errno=True)
             fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
-        except (OSError, AttributeError):
+            if fd >= 0 and libc.inotify_add_watch(fd, os.fsencode(self.file), IN_MODIFY) < 0:
+                self.failed = ctypes.get_errno() != errno.ENOENT  # removed meanwhile: try again
+                os.close(fd)
+                return None
+        except Exception:  # no ctypes (ImportError), no libc or no such call
             fd = -1
         if fd < 0:
             self.failed = True
-            return None
-        if libc.inotify_add_watch(fd, os.fsencode(self.file), IN_MODIFY) < 0:
-            self.failed = ctypes.get_errno() != errno.ENOENT  # removed meanwhile: try again
-            os.close(fd)
             return None
         self.watch = fd
         return fd
@@ -252,6 +274,8 @@ def host() -> int:
             rc = job.wait()
             break
         slept = time.monotonic()
+        late_beat = beat is not None and slept - beat_at > 2 * P.HEARTBEAT_EVERY  # P.late() is best in short waits
+        asked = POLL if job_end is None or late_beat else IDLE
         select.select([woken] if job_end is None else [woken, job_end], [], [], asked)
         with contextlib.suppress(OSError):  # BlockingIOError once it is read
             os.read(woken, 64)
@@ -414,15 +438,14 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
     last_step: int | None = None  # the last training step a rank here printed (a failure's signature)
     stopped = False
     buf = b""
-    growth = Growth(path(P.LOG)) if agent_final or pdsh or watch_progress else None
+    growth = Growth(path(P.LOG)) if has_job and (agent_final or pdsh or watch_progress) else None
     agent_end: int | None = None  # the host agent's pidfd: -1 where none is to be had, or once it fired
     looked = 0.0
     while True:
         fds, wait = [0], IDLE
         if has_job:
-            if agent_end is None and (pid := read(P.AGENT_PID) or "").isdigit():
-                fd = pidfd(int(pid))
-                agent_end = -1 if fd is None else fd
+            if agent_end is None:
+                agent_end = agent_pidfd()
             if agent_end is None or agent_end < 0:
                 wait = POLL
             else:
@@ -432,6 +455,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             fds.append(log_fd)
         elif growth is not None:
             wait = POLL
+        if heard and time.monotonic() - last_beat > 2 * P.HEARTBEAT_EVERY:
+            wait = POLL  # a heartbeat is late: P.late() excuses a frozen host's time best in short waits
         asked = time.monotonic()
         ready = select.select(fds, [], [], wait)[0]
         if ready == [log_fd] and (rest := looked + POLL - time.monotonic()) > 0:  # at most one look a POLL for the log
@@ -498,8 +523,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             why = f"no heartbeat from the supervisor {since}"
             say(f"lost-stopped {kill_run(why)} {why}")
             return 0
-        if not has_job or (agent_end is not None and agent_end >= 0):
-            continue  # the agent writes exit_code and ends: its pidfd has not fired, so neither has happened
+        if not has_job:
+            continue
         code = read(P.EXIT)
         if code is None and read(P.PGID) is not None and not agent_alive():
             time.sleep(0.3)  # the agent may have written exit_code just before it ended

@@ -276,3 +276,35 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+def test_follow_and_its_waiter_end_when_tail_is_killed(tmp_path: Path) -> None:
+    """A tail killed (by an operator, the OOM killer): follow.sh prints its mark and ends, and the
+    waiter, which holds the stream too, ends with it rather than with the job."""
+    run = follow_script(tmp_path)
+    agent = fake_agent(run, 30)
+    try:
+        follow = subprocess.Popen(["bash", str(run / "follow.sh")], stdout=subprocess.PIPE)
+        deadline = time.monotonic() + 5
+        while not (tails := [k for k in _children(follow.pid) if _cmdline(int(k)).startswith("tail ")]):
+            assert time.monotonic() < deadline, descendants(follow.pid)
+            time.sleep(0.05)
+        waiters = [int(k) for k in _children(follow.pid) if int(k) != int(tails[0])]
+        os.kill(int(tails[0]), 9)
+        out, _ = follow.communicate(timeout=5)  # EOF: nothing holds the stream any more
+        assert out.endswith(f"{P.EXIT_MARK}killed\n".encode())
+        deadline = time.monotonic() + 5
+        while alive := [p for p in waiters if not _zombie(p)]:
+            assert time.monotonic() < deadline, f"the waiter outlived follow.sh: {alive}"
+            time.sleep(0.05)
+        assert agent.poll() is None
+    finally:
+        agent.kill()
+        agent.wait()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
