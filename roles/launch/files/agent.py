@@ -250,7 +250,7 @@ def host() -> int:
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wake, warn_on_full_buffer=False)
     job_end = pidfd(job.pid)
-    asked = IDLE if job_end is not None else POLL
+    asked = POLL  # how long the last wait below was asked to be
     started = time.monotonic()
     seen_beat, beat_at = mtime(P.HEARTBEAT), time.monotonic()  # staleness on this clock, not the wall's
     slept = 0.0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -161,18 +160,36 @@ def fake_agent(run: Path, seconds: float) -> subprocess.Popen[bytes]:
     return p
 
 
-def descendants(pid: int) -> list[str]:
-    """The command lines of ``pid``'s children, theirs, and so on."""
+def children(pid: int) -> list[int]:
     try:
-        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return [int(k) for k in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
-    found = []
-    for kid in kids:
-        with contextlib.suppress(OSError):
-            found.append(Path(f"/proc/{kid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
-        found += descendants(int(kid))
-    return found
+
+
+def family(pid: int) -> list[int]:
+    """``pid``'s children, theirs, and so on."""
+    return [p for kid in children(pid) for p in (kid, *family(kid))]
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def descendants(pid: int) -> list[str]:
+    """The command lines of ``pid``'s children, theirs, and so on."""
+    return [cmdline(p) for p in family(pid)]
+
+
+def zombie(pid: int) -> bool:
+    """Ended (a zombie, or gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
 
 
 @pytest.fixture(params=["pidfd", "no pidfd"])
@@ -248,34 +265,19 @@ def test_follow_ends_when_its_reader_is_gone_though_the_job_goes_on(tmp_path: Pa
         while not [c for c in descendants(follow.pid) if c.startswith("tail ")]:  # the waiter is started first
             assert time.monotonic() < deadline, descendants(follow.pid)
             time.sleep(0.05)
-        kids = Path(f"/proc/{follow.pid}/task/{follow.pid}/children").read_text().split()
-        left = [int(k) for k in kids] + [int(g) for k in kids for g in _children(int(k))]
+        left = family(follow.pid)
         follow.stdout.close()
         t0 = time.monotonic()
         follow.wait(timeout=10)
         assert time.monotonic() - t0 < 5  # not the agent's 30 s
         deadline = time.monotonic() + 5
-        while alive := [p for p in left if not _zombie(p)]:
+        while alive := [p for p in left if not zombie(p)]:
             assert time.monotonic() < deadline, f"follow.sh's children outlived it: {alive}"
             time.sleep(0.05)
         assert agent.poll() is None  # the job's side is untouched
     finally:
         agent.kill()
         agent.wait()
-
-
-def _children(pid: int) -> list[str]:
-    try:
-        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    except OSError:
-        return []
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
 
 
 def test_follow_and_its_waiter_end_when_tail_is_killed(tmp_path: Path) -> None:
@@ -286,25 +288,18 @@ def test_follow_and_its_waiter_end_when_tail_is_killed(tmp_path: Path) -> None:
     try:
         follow = subprocess.Popen(["bash", str(run / "follow.sh")], stdout=subprocess.PIPE)
         deadline = time.monotonic() + 5
-        while not (tails := [k for k in _children(follow.pid) if _cmdline(int(k)).startswith("tail ")]):
+        while not (tails := [k for k in children(follow.pid) if cmdline(k).startswith("tail ")]):
             assert time.monotonic() < deadline, descendants(follow.pid)
             time.sleep(0.05)
-        waiters = [int(k) for k in _children(follow.pid) if int(k) != int(tails[0])]
-        os.kill(int(tails[0]), 9)
+        waiters = [p for p in family(follow.pid) if p != tails[0]]
+        os.kill(tails[0], 9)
         out, _ = follow.communicate(timeout=5)  # EOF: nothing holds the stream any more
         assert out.endswith(f"{P.EXIT_MARK}killed\n".encode())
         deadline = time.monotonic() + 5
-        while alive := [p for p in waiters if not _zombie(p)]:
+        while alive := [p for p in waiters if not zombie(p)]:
             assert time.monotonic() < deadline, f"the waiter outlived follow.sh: {alive}"
             time.sleep(0.05)
         assert agent.poll() is None
     finally:
         agent.kill()
         agent.wait()
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return ""
