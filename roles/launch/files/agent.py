@@ -1,7 +1,8 @@
 """nodeops launch: the per-host agent (stdlib only, Python 3.8+), shipped into every run dir.
 
-``python3 agent.py host``
-    Started by start.sh in its own session. Runs ``job.sh`` in a new process group (its pgid in
+``python3 agent.py host [--detach]``
+    Started by start.sh (``--detach``: in a session of its own, returning once the job started).
+    Runs ``job.sh`` in a new process group (its pgid in
     ``pgid``, its output in ``host.log``, ``NODEOPS_RUN_ID`` in its environment), writes
     ``exit_code`` when it ends, and is the host's dead man's switch: if no supervisor attached
     within ATTACH_DEADLINE, or the supervisor's heartbeat stops for HEARTBEAT_STALE, it stops
@@ -67,6 +68,7 @@ else:  # shipped: protocol.py, recovery.py and stacks.py lie beside this file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUN_ID = os.path.basename(HERE)
+READY = b"started"  # host --detach: the forked agent's word that the job's pgid is written
 
 
 def path(name: str) -> str:
@@ -228,8 +230,34 @@ def mtime(name: str) -> float | None:
 
 
 # --------------------------------------------------------------------------- host
-def host() -> int:
+def detach(timeout: float = 15.0) -> int:
+    """``host --detach`` (start.sh): the host agent forks into a session of its own (as
+    ``setsid -f`` did) and this process returns once the job has started (its pgid written):
+    0, or 1 when the agent failed first (at once, its traceback in agent.log) or took longer
+    than ``timeout``. start.sh no longer polls for the pgid file: at 64 sandbox nodes its
+    ``sleep`` every 0.05 s ran dozens of times per node while the nodes' CPU was scarcest."""
+    r, w = os.pipe()
+    if os.fork():
+        os.close(w)
+        said = os.read(r, 8) if select.select([r], [], [], timeout)[0] else b""
+        return 0 if said == READY else 1
+    os.close(r)
+    os.setsid()
+    return host(ready=w)
+
+
+def host(ready: int | None = None) -> int:
+    """The host agent: job.sh under it until the job ends. ``ready``: a pipe told READY once the
+    job's pgid is written (:func:`detach`)."""
+
+    def tell_ready() -> None:
+        if ready is not None:
+            with contextlib.suppress(OSError):  # the waiting start.sh gave up: nobody listens
+                os.write(ready, READY)
+            os.close(ready)
+
     if read(P.PGID) is not None:
+        tell_ready()
         return 0  # already started (start.sh is safe to run twice)
     with open(path(P.LOG), "ab") as out:
         job = subprocess.Popen(["bash", path(P.JOB)], cwd=HERE, stdin=subprocess.DEVNULL, stdout=out,
@@ -238,6 +266,7 @@ def host() -> int:
     write_atomic(P.AGENT_PID, str(os.getpid()))
     write_atomic(P.PGID, str(job.pid))
     log(f"job started, pgid {job.pid}")
+    tell_ready()
     stopping = []
 
     def on_signal(sig: int, _frame: object) -> None:  # an operator's kill, a shutdown: never orphan the job
@@ -625,7 +654,7 @@ def status() -> str:
 def main(argv: list[str]) -> int:
     mode = argv[1] if len(argv) > 1 else ""
     if mode == "host":
-        return host()
+        return detach() if "--detach" in argv else host()
     if mode == "guard":
         return guard("--job" in argv, "--agent-final" in argv, "--pdsh" in argv, "--watch-progress" in argv)
     if mode == "stacks":

@@ -1,9 +1,10 @@
 """Start a launch plan on the hosts: render every host's run-dir files, ship them, start the job.
 
 The files (``job.sh``, ``follow.sh``, ``kill.sh``, ``status.sh``, ``start.sh``, the MPI shim, the
-agent and the protocol it shares, and on the chief the supervisor with its ``run.json``) are
-rendered from the collection's launch role (``roles/launch/templates`` and ``roles/launch/files``)
-and carried by one of two transports that end the same way, by running ``start.sh`` on the host:
+agent and the protocol it shares, the ranks' stack hook, and on the chief the supervisor with
+its ``run.json``) are rendered from the collection's launch role (``roles/launch/templates`` and
+``roles/launch/files``) and carried by one of two transports that end the same way, by running
+``start.sh`` on the host:
 
 - ``ssh`` (default): one ssh per host, in parallel, piping a small bash bundle (pdsh's cost);
 - ``ansible``: the collection's launch playbook through ansible-runner: the role renders the same
@@ -30,6 +31,7 @@ from nodeops import _shell
 from nodeops.launch import launchers
 from nodeops.launch import plan as _launch_plan
 from nodeops.node import protocol as P
+from nodeops.node import stacks as S
 from nodeops.quoting import sh_expand, sh_run_word, sh_word
 from nodeops.resources import data_dir
 from nodeops.setup.render import activation
@@ -150,6 +152,8 @@ def files_from_vars(run: dict[str, Any]) -> dict[str, list[RunFile]]:
         if host == run["chief"]:  # the run's one authority, for every runner and any number of hosts
             files += [RunFile(f, (fdir / f).read_text(), "0600") for f in ("supervisor.py", "stall.py")]
             files.append(RunFile(P.RUN_CONFIG, json.dumps(run["run_config"], indent=2), "0600"))
+        # the ranks' stack hook, shipped rather than written by start.sh (a python3 on every node's start)
+        files.append(RunFile(f"{S.HOOK_DIR}/sitecustomize.py", S.HOOK, "0600"))
         files.append(RunFile("start.sh", tpl("start.sh.j2", host=host), "0700"))
         out[host] = files
     return out

@@ -13,6 +13,7 @@ import pytest
 from nodeops.backends import starter
 from nodeops.launch import launchers
 from nodeops.node import protocol as P
+from nodeops.node import stacks as S
 from nodeops.spec.load import load_spec_text
 from nodeops.spec.model import LoadedSpec
 
@@ -43,9 +44,11 @@ def test_shell_quote_expands_only_the_home_token() -> None:
 def test_every_host_gets_its_agent_and_only_the_chief_the_supervisor() -> None:
     _, files = files_for(SPEC, ["train.py"])
     names = {h: [f.name for f in fs] for h, fs in files.items()}
-    common = {"follow.sh", "kill.sh", "status.sh", "job.sh", "start.sh", *starter.SHIPPED}
+    common = {"follow.sh", "kill.sh", "status.sh", "job.sh", "start.sh", "hook/sitecustomize.py", *starter.SHIPPED}
     assert set(names["10.0.0.1"]) == common | {"supervisor.py", "stall.py", "run.json"}
     assert set(names["10.0.0.2"]) == common
+    # the ranks' hook is shipped as stacks.py would write it (start.sh then runs no python3 for it)
+    assert next(f for f in files["10.0.0.2"] if f.name == "hook/sitecustomize.py").content == S.HOOK
     job = next(f for f in files["10.0.0.2"] if f.name == "job.sh").content
     assert "export NODE_RANK=1" in job
     assert 'export NODEOPS_RUN_DIR="$HOME"/.nodeops/runs/20261122-101500-ab12' in job
@@ -59,7 +62,7 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     loaded = load_spec_text(SPEC)
     plan = launchers.plan(loaded.spec, ["x"], "20261122-101500-ab12")
     shipped = [f for f in starter.host_files(loaded, plan, "20261122-101500-ab12", {"hosts": []})["10.0.0.2"]
-               if f.name in ("start.sh", *starter.SHIPPED)]  # fmt: skip
+               if f.name in ("start.sh", "hook/sitecustomize.py", *starter.SHIPPED)]  # fmt: skip
     script = starter.bundle("20261122-101500-ab12", [*files, *shipped])
     p = subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True, timeout=30, check=False,
                        env={**os.environ, "HOME": str(tmp_path), "NODEOPS_TEST": "t1"})  # fmt: skip
@@ -67,8 +70,11 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     assert P.STARTED in p.stdout
     d = tmp_path / ".nodeops" / "runs" / "20261122-101500-ab12"
     assert oct(d.stat().st_mode & 0o777) == "0o700"
-    modes = {f.name: oct(f.stat().st_mode & 0o777) for f in d.iterdir() if f.name in ("job.sh", "shim.sh", "agent.py")}
-    assert modes == {"job.sh": "0o700", "shim.sh": "0o755", "agent.py": "0o600"}, modes  # (under umask 077)
+    modes = {str(f.relative_to(d)): oct(f.stat().st_mode & 0o777) for f in d.rglob("*")
+             if f.name in ("job.sh", "shim.sh", "agent.py", "hook", "sitecustomize.py")}  # fmt: skip
+    assert modes == {"job.sh": "0o700", "shim.sh": "0o755", "agent.py": "0o600", "hook": "0o700",
+                     "hook/sitecustomize.py": "0o600"}, modes  # (under umask 077)  # fmt: skip
+    assert (d / "hook" / "sitecustomize.py").read_text() == S.HOOK
     deadline = time.monotonic() + 10
     while not (d / "exit_code").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -79,6 +85,30 @@ def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: P
     again = subprocess.run(["bash", str(d / "start.sh")], capture_output=True, text=True, check=True,
                            env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
     assert P.STARTED in again.stdout and (d / "host.log").read_text() == "hello from t1\n"
+
+
+def test_start_says_at_once_when_the_agent_fails_before_the_job_starts(tmp_path: Path) -> None:
+    """`agent.py host --detach` returns when the job started or its agent died: a start whose
+    agent cannot write host.log (here a directory) fails in well under start.sh's 15 s wait,
+    naming the host and agent.log, and nothing of the run is left."""
+    rid = "20261122-101500-ab13"
+    loaded = load_spec_text(SPEC)
+    plan = launchers.plan(loaded.spec, ["x"], rid)
+    shipped = [f for f in starter.host_files(loaded, plan, rid, {"hosts": []})["10.0.0.2"]
+               if f.name in ("start.sh", "hook/sitecustomize.py", *starter.SHIPPED)]  # fmt: skip
+    d = tmp_path / ".nodeops" / "runs" / rid
+    (d / "host.log").mkdir(parents=True)
+    script = starter.bundle(rid, [starter.RunFile("job.sh", "sleep 30\n", "0700"), *shipped])
+    t0 = time.monotonic()
+    p = subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True, timeout=30, check=False,
+                       env={**os.environ, "HOME": str(tmp_path)})  # fmt: skip
+    took = time.monotonic() - t0
+    assert p.returncode == 1 and P.STARTED not in p.stdout
+    assert "the job on 10.0.0.2 did not start" in p.stderr and "agent.log" in p.stderr, p.stderr
+    assert took < 5, took
+    assert "IsADirectoryError" in (d / "agent.log").read_text()
+    assert not (d / "pgid").exists()
+    assert not S.tagged_pids(rid)
 
 
 SPARE_SPEC = """

@@ -87,7 +87,8 @@ def test_the_role_writes_the_files_nodeops_launch_ships_byte_for_byte(runner: st
                             str(data_dir("playbooks") / "launch.yml"), "-e", f"@{tmp_path / 'vars.yml'}"],
                            capture_output=True, text=True, env=env, timeout=180, check=False)  # fmt: skip
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
-        assert sorted(f.name for f in rdir.iterdir()) == sorted(f.name for f in files), host
+        written_files = [str(f.relative_to(rdir)) for f in rdir.rglob("*") if f.is_file()]
+        assert sorted(written_files) == sorted(f.name for f in files), host
         for f in files:
             written = rdir / f.name
             assert written.read_text() == f.content, (host, f.name)
