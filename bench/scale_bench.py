@@ -44,7 +44,12 @@ controller CPU per node is what grows on a real cluster. Ratios are printed agai
 - no-op setup <= 1.25x check at every N (a setup with nothing to do costs about one preflight).
 
     python bench/scale_bench.py [--nodes 1 4 8 16 32] [--torch-wheelhouse DIR] [--skip STEP ...]
-        [--name scale] [--subnet 10.218.0.0/24] [--json-out FILE]
+        [--chief-weight 1|n|W] [--name scale] [--subnet 10.218.0.0/24] [--json-out FILE]
+
+The sandbox's containers share this machine's cores: under load the chief, which alone runs the
+supervisor and its link to every host, gets 1/N of them. ``--chief-weight n`` gives the chief's
+container N times every other node's CPU weight, as if it had its own machine (the launch rows
+only; run it beside the default to see how much of a row is the sandbox's).
 """
 
 from __future__ import annotations
@@ -398,6 +403,17 @@ def failure_row(b: Bench, spec: Path, n: int, say: sandbox.Say) -> Step:
     return s
 
 
+def weight_chief(b: Bench, weight: int, say: sandbox.Say) -> None:
+    """Give the chief's container ``weight`` times every other node's CPU weight (docker's
+    cpu-shares, 1024 each by default). All N containers share this machine's cores, so under
+    load the chief gets 1/N of them while it alone runs the supervisor and its ssh link to
+    every host: a real chief has its own machine. With ``weight`` N the chief's share no longer
+    shrinks as N grows; the default (1) is the plain sandbox."""
+    if weight != 1:
+        sandbox.docker("update", "--cpu-shares", str(1024 * weight), b.sb.nodes[0].container)
+        say(f"the chief's container ({b.sb.nodes[0].name}) weighs {weight}x every other node's in CPU")
+
+
 def run_n(n: int, work: Path, wheels: Path, env_dir: Path | None, args: argparse.Namespace,
           env: dict[str, str]) -> dict[str, Step | None]:  # fmt: skip
     say = lambda m: print(f"==> [{n} node(s)] {m}", flush=True)  # noqa: E731
@@ -411,10 +427,17 @@ def run_n(n: int, work: Path, wheels: Path, env_dir: Path | None, args: argparse
         if env_dir is None or n > args.launch_max_nodes:
             out |= dict.fromkeys(LAUNCH_STEPS)
         else:
+            weight_chief(b, n if args.chief_weight == "n" else int(args.chief_weight), say)
             out |= launch_rows(b, launch_spec_for(sb, work), work, args.launch_runs, say)
         return out
     finally:
         sandbox.down(args.name)
+
+
+def chief_weight(v: str) -> str:
+    if v == "n" or (v.isdigit() and int(v) > 0):
+        return v
+    raise argparse.ArgumentTypeError(f"a positive integer or n, not {v!r}")
 
 
 def main() -> int:
@@ -426,6 +449,9 @@ def main() -> int:
     ap.add_argument("--launch-runs", type=int, default=1, help="runs of launch and of pdsh each (lower median)")
     ap.add_argument("--launch-max-nodes", type=int, default=32,
                     help="launch rows only up to this many nodes (a node's torchrun and rank: ~130 MiB)")  # fmt: skip
+    ap.add_argument("--chief-weight", default="1", type=chief_weight,
+                    help="the launch rows with the chief's container weighing this many times every other "
+                         "node in CPU (n: the node count, as if the chief had its own machine; default 1)")  # fmt: skip
     ap.add_argument("--name", default=NAME, help="the sandbox's name")
     ap.add_argument("--subnet", default=SUBNET, help="the sandbox's subnet")
     ap.add_argument("--json-out", type=Path, help="also write every step's figures here")
@@ -454,6 +480,8 @@ def main() -> int:
         args.json_out.write_text(json.dumps(doc, indent=1))
     print_times(results)
     print_costs(results)
+    if args.chief_weight != "1":
+        print(f"\nthe launch rows ran with the chief weighing {args.chief_weight}x every other node in CPU")
     return print_goals(results)
 
 
