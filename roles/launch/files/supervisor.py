@@ -132,7 +132,7 @@ class Link:
                 pass
 
 
-def read_events(link: Link, events: queue.Queue[tuple[Link, str | None]]) -> None:
+def read_events(link: Link, events: queue.SimpleQueue[tuple[Link | None, str | None]]) -> None:
     assert link.proc.stdout is not None and link.proc.stderr is not None
     err = link.proc.stderr
 
@@ -210,7 +210,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 return
 
     threading.Thread(target=heartbeat, daemon=True).start()
-    events: queue.Queue[tuple[Link, str | None]] = queue.Queue()
+    # SimpleQueue: its put is safe in a signal handler (wake, below), Queue's could deadlock
+    events: queue.SimpleQueue[tuple[Link | None, str | None]] = queue.SimpleQueue()  # (None, None): a wake
 
     def start_guard(h: dict[str, Any]) -> Link:
         lk = Link(h, run_id, flags)
@@ -452,7 +453,16 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
                 lk.send("flight")
         hang.clear()
 
-    signal.signal(signal.SIGTERM, lambda *_: open(stop_file, "a").close())
+    def wake(sig: int, _frame: object) -> None:
+        """SIGTERM (`nodeops stop` sends it after its request, as an operator's kill does): a
+        stop request; SIGUSR1 (`nodeops stacks`): an ask was left. The loop below looks at once
+        rather than at its next 0.2 s."""
+        if sig == signal.SIGTERM:
+            open(stop_file, "a").close()
+        events.put((None, None))
+
+    signal.signal(signal.SIGTERM, wake)
+    signal.signal(signal.SIGUSR1, wake)
     while len(gone) < len(links):
         quiet = time.monotonic() - last_progress
         # The watchdog counts from the moment a rank printed on every job's host; before that
@@ -530,9 +540,13 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
             for lk in links:
                 lk.close()
         try:
-            lk, line = events.get(timeout=0.2)
+            got, line = events.get(timeout=0.2)
         except queue.Empty:
             continue
+        if got is None:  # a signal's wake: the stop request, an ask
+            asks_looked = 0.0
+            continue
+        lk = got
         if line is None:
             gone.add(lk.name)
             if lk.ended is None and not (lk.sent_stop and lk.left is not None):
@@ -784,6 +798,10 @@ def choose(active: list[dict[str, Any]], spares: list[dict[str, Any]], culprit: 
 def main() -> int:
     with open(os.path.join(HERE, P.RUN_CONFIG)) as f:
         cfg = json.load(f)
+    # before the pid is written: nodeops signals a supervisor it finds by its pid file (supervise
+    # then wakes its loop on both), and neither signal may end it
+    signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(HERE, P.STOP_REQUEST), "a").close())
+    signal.signal(signal.SIGUSR1, lambda *_: None)
     with open(os.path.join(HERE, P.SUPERVISOR_PID), "w") as f:
         f.write(f"{os.getpid()}\n")
     log("supervising " + ", ".join(h["name"] for h in cfg["hosts"]))

@@ -55,13 +55,11 @@ def make_run(tmp: Path, jobs: dict[str, str | None], *, agent_final: bool = Fals
 def start(dirs: list[Path]) -> subprocess.Popen[bytes]:
     for d in dirs:
         if (d / "job.sh").exists():
-            # as start.sh does: setsid -f, so the agent is nobody's child here (init reaps it)
-            subprocess.run(["setsid", "-f", sys.executable, str(d / "agent.py"), "host"], check=True,
+            # as start.sh does: the agent forks into its own session (nobody's child here: init
+            # reaps it) and this returns once the job's pgid is written
+            subprocess.run([sys.executable, str(d / "agent.py"), "host", "--detach"], check=True,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-            for _ in range(100):
-                if (d / "pgid").exists():
-                    break
-                time.sleep(0.05)
+            assert (d / "pgid").exists()
     # what `start.sh supervise` does on the chief, once every host has started
     return subprocess.Popen([sys.executable, str(dirs[0] / "supervisor.py")], start_new_session=True)
 
@@ -265,6 +263,40 @@ def test_stop_request_stops_all_and_says_so(tmp_path: Path) -> None:
     res = result_of(chief, sup)
     assert res["outcome"] == "stopped" and res["first_failure"] is None
     assert {h["ended"] for h in res["hosts"].values()} == {"killed"}  # type: ignore[attr-defined]
+    assert wait_clean(dirs) == []
+
+
+def test_nodeops_stop_signals_its_own_supervisor_and_no_other_process(tmp_path: Path) -> None:
+    """`nodeops stop` touches the request and signals the supervisor its pid file names, so it
+    acts now rather than at its next look, but only a supervisor.py whose cwd is that run dir:
+    a pid file naming another run's supervisor, or a pid reused by another process, is a
+    request and nothing more."""
+    chief, dirs = make_run(tmp_path / "run", {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
+    sup = start(dirs)
+    deadline = time.monotonic() + 20
+    while "h2: watching" not in ((chief / P.SUPERVISOR_LOG).read_text() if (chief / P.SUPERVISOR_LOG).exists() else ""):
+        assert time.monotonic() < deadline, "the guards never watched"
+        time.sleep(0.1)
+    other, stranger = tmp_path / "other-run", tmp_path / "stranger"
+    for d in (other, stranger):
+        d.mkdir()
+    sleeper = subprocess.Popen(["sleep", "60"], cwd=stranger)
+    try:
+        for d, pid in ((other, sup.pid), (stranger, sleeper.pid)):
+            (d / P.SUPERVISOR_PID).write_text(f"{pid}\n")
+            subprocess.run(["bash", "-c", ssh_run.ASK_STOP], cwd=d, check=True, timeout=10)
+            assert (d / P.STOP_REQUEST).exists()
+        time.sleep(1)
+        assert sup.poll() is None and sleeper.poll() is None
+        assert not (chief / P.STOP_REQUEST).exists()
+        assert "stopping every host" not in (chief / P.SUPERVISOR_LOG).read_text()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    subprocess.run(["bash", "-c", ssh_run.ASK_STOP], cwd=chief, check=True, timeout=10)
+    res = result_of(chief, sup)
+    assert res["outcome"] == "stopped" and res["first_failure"] is None, res
+    assert "stopping every host: stop requested" in (chief / P.SUPERVISOR_LOG).read_text()
     assert wait_clean(dirs) == []
 
 

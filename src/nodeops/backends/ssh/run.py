@@ -224,6 +224,21 @@ def fetch_flight(job: Job) -> dict[str, int]:
 STACKS_TAKEN_WAIT = 3.0  # how long an ask may wait to be taken by the supervisor (between attempts it is not)
 
 
+def signal_supervisor(sig: str) -> str:
+    """bash, run in the run dir: send ``sig`` (TERM: a stop request; USR1: an ask was left) to
+    the run's supervisor, so that it looks now rather than at its next 0.2 s. Only to the
+    process its pid file names when that is a supervisor.py whose cwd is this run dir: never
+    another run's supervisor, nor a process that reused the pid. Always succeeds: the files the
+    supervisor reads are the request; the signal only hurries it."""
+    return (f"p=$(cat {P.SUPERVISOR_PID} 2>/dev/null); case $p in ''|*[!0-9]*) ;; "
+            f'*) if [ /proc/"$p"/cwd -ef . ] && grep -qs supervisor.py /proc/"$p"/cmdline; '
+            f'then kill -{sig} "$p" 2>/dev/null; fi ;; esac; true')  # fmt: skip
+
+
+# bash, in the run dir: the stop request the supervisor reads, and a signal that it reads it now
+ASK_STOP = f"touch {P.STOP_REQUEST} && {{ {signal_supervisor('TERM')}; }}"
+
+
 def stacks_ask_script(run_id: str, ask_id: str, native: bool, method: str) -> str:
     """bash for the chief: leave a stacks ask for the run's supervisor (protocol.STACKS_ASK) and
     print ``answer`` and its answer once written; ``none`` when no supervisor runs there, or it
@@ -236,7 +251,8 @@ def stacks_ask_script(run_id: str, ask_id: str, native: bool, method: str) -> st
         f"cd {sh_word(remote_dir(run_id))} 2>/dev/null || {{ echo none; exit 0; }}; "
         f"p=$(cat {P.SUPERVISOR_PID} 2>/dev/null); "
         f'grep -qs supervisor.py "/proc/$p/cmdline" || {{ echo none; exit 0; }}; '
-        f"printf %s {body} > .{ask} && mv -f .{ask} {ask} || {{ echo none; exit 0; }}; i=0; "
+        f"printf %s {body} > .{ask} && mv -f .{ask} {ask} || {{ echo none; exit 0; }}; "
+        f"{signal_supervisor('USR1')}; i=0; "
         # a controller gone meanwhile (Ctrl-C): SIGPIPE ignored, so the answer is still removed
         f"while :; do if [ -e {answer} ]; then trap '' PIPE; echo answer; cat {answer}; rm -f {answer}; exit 0; fi; "
         # not taken in time: taken back (whoever unlinks it owns it), and the hosts are asked one by one
@@ -297,7 +313,7 @@ def take_stacks(job: Job, native: bool = False, method: str = "auto") -> tuple[l
 def request_stop(ssh_config: Path, chief: str, run_id: str) -> bool:
     """Ask the chief's supervisor to stop the run (it stops every host and writes its result)."""
     try:
-        p = subprocess.run(ssh_argv(ssh_config, chief, "touch", sh_word(f"{remote_dir(run_id)}/{P.STOP_REQUEST}")),
+        p = subprocess.run(ssh_argv(ssh_config, chief, f"cd {sh_word(remote_dir(run_id))} && {ASK_STOP}"),
                            capture_output=True, timeout=20, check=False, start_new_session=True)  # fmt: skip
     except subprocess.TimeoutExpired:
         return False
@@ -338,8 +354,9 @@ def verdict_or_stop(ssh_config: Path, chief: str, run_id: str) -> tuple[dict[str
     """One ssh to the chief: the run's result.json when it has one (the run had ended), else the
     stop asked of its supervisor (:func:`request_stop`'s file). ``(result, False)``, ``(None,
     True)`` once asked, ``(None, False)`` when neither could be done (the chief unreachable)."""
-    res, req = sh_word(f"{remote_dir(run_id)}/{P.RESULT}"), sh_word(f"{remote_dir(run_id)}/{P.STOP_REQUEST}")
-    script = f"if [ -e {res} ]; then echo ended; exec cat {res}; fi; touch {req} && echo asked"
+    script = (f"cd {sh_word(remote_dir(run_id))} || exit 1; "
+              f"if [ -e {P.RESULT} ]; then echo ended; exec cat {P.RESULT}; fi; "
+              f"{ASK_STOP} && echo asked")  # fmt: skip
     try:
         p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True, timeout=20,
                            check=False, start_new_session=True)  # fmt: skip
