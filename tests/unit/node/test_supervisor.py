@@ -231,15 +231,16 @@ open("rank-up", "w").write("1")
 while True:
     time.sleep(0.1)
 """
-SLOW_LAUNCHER = """trap 'sleep 1.5; : > launcher-ended; exit 143' TERM
+SLOW_LAUNCHER = """trap ': > launcher-termed; sleep 1.5; : > launcher-ended; exit 143' TERM
 RANK=0 {python} rank.py &
 wait
 """
 
 
 def test_a_stop_waits_for_the_ranks_not_for_the_launchers_own_ending(tmp_path: Path) -> None:
-    """After the SIGTERM, the agent waits (up to GRACE) for the ranks that were alive: each may
-    save its work. Once they have ended, what is left (the launcher ending) is SIGKILLed at once."""
+    """The ranks get the SIGTERM and the agent waits (up to GRACE) for them: each may save its
+    work. The launcher is held meanwhile (its shutdown would only pass the signal on, at a CPU
+    cost that 64 nodes on 2 cores pay at once) and SIGKILLed once its ranks have ended."""
     chief, dirs = make_run(tmp_path, {"h1": SLOW_LAUNCHER.format(python=sys.executable)})
     (dirs[0] / "rank.py").write_text(SLOW_RANK)
     sup = start(dirs)
@@ -253,6 +254,7 @@ def test_a_stop_waits_for_the_ranks_not_for_the_launchers_own_ending(tmp_path: P
     assert (dirs[0] / "saved").exists()  # the rank's SIGTERM handler ran to its end
     time.sleep(2)  # (the launcher's ending would have written its file by now)
     assert not (dirs[0] / "launcher-ended").exists()  # SIGKILLed once its rank had ended, before GRACE
+    assert not (dirs[0] / "launcher-termed").exists()  # held: its TERM trap never ran
 
 
 def test_stop_request_stops_all_and_says_so(tmp_path: Path) -> None:
