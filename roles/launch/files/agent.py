@@ -197,17 +197,22 @@ def kill_run(why: str) -> int:
     (its workers run in sessions of their own) and then tear itself down, ~30 ms of CPU per node
     and 0.6 s for its interpreter's exit (at 64 sandbox nodes on 2 cores, most of a stop). Where
     no rank is known here (a job whose processes carry no RANK), the group gets the SIGTERM
-    instead, and GRACE to end. Returns how many survived."""
+    instead, and GRACE to end. A host without a job of ours (mpirun's and DeepSpeed's other
+    hosts) signals nothing first: the launcher on the chief ends its ranks (the MPI shim tells
+    a rank that died of that signal from one that failed first), then SIGKILL as above.
+    Returns how many survived."""
     ranks = {pid for _rank, pid in S.ranks(tagged_pids())}
     pg = read(P.PGID)
+    held = False  # the job's group is held: its ranks get the SIGTERM from here
     if pg and pg.isdigit() and read(P.EXIT) is None and leader_is_ours(int(pg)):
         if not os.path.exists(path(P.KILLED)):
             write_atomic(P.KILLED, why)
+        held = bool(ranks)
         with contextlib.suppress(OSError):
-            os.killpg(int(pg), signal.SIGSTOP if ranks else signal.SIGTERM)
+            os.killpg(int(pg), signal.SIGSTOP if held else signal.SIGTERM)
 
     def terminate(pids: set[int]) -> None:
-        for pid in pids:
+        for pid in pids if held else ():  # a host without a job of ours: its ranks' launcher ends them
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
                 os.kill(pid, signal.SIGCONT)  # a rank in the job's own group was held with it
