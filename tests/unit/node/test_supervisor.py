@@ -257,6 +257,29 @@ def test_a_stop_waits_for_the_ranks_not_for_the_launchers_own_ending(tmp_path: P
     assert not (dirs[0] / "launcher-termed").exists()  # held: its TERM trap never ran
 
 
+def test_a_kill_where_no_job_of_ours_runs_leaves_the_first_signal_to_the_ranks_launcher(tmp_path: Path) -> None:
+    """mpirun's and DeepSpeed's other hosts run ranks but no job of ours: their kill sends the
+    ranks no SIGTERM of its own (the MPI shim takes a rank that died with no signal from outside
+    for the one that failed first), and SIGKILLs them after GRACE. A host with a job holds its
+    group and signals its ranks itself (the test above)."""
+    d = tmp_path / "h" / f"20261122-000000-{os.getpid() % 0xFFFF:04x}9"
+    d.mkdir(parents=True)
+    ship(d)
+    rank = subprocess.Popen(["bash", "-c", "trap ': > termed; exit 143' TERM; while :; do sleep 0.1; done"],
+                            cwd=d, env={"PATH": os.environ["PATH"], "RANK": "3", P.TAG_VAR: d.name},
+                            start_new_session=True)  # fmt: skip
+    try:
+        p = subprocess.run([sys.executable, str(d / "agent.py"), "kill"], capture_output=True, text=True, timeout=30,
+                           check=True)  # fmt: skip
+        assert P.STOPPED in p.stdout, p.stdout
+        assert rank.wait(timeout=5) == -signal.SIGKILL
+        assert not (d / "termed").exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            rank.kill()
+        rank.wait()
+
+
 def test_stop_request_stops_all_and_says_so(tmp_path: Path) -> None:
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n", "h2": "exec sleep 300\n"})
     sup = start(dirs)
