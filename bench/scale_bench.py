@@ -89,6 +89,7 @@ FULL = "no-op, --full"
 SETUP_STEPS = ["cold setup", "no-op setup", FULL, "check"]
 PLAIN = "launch, pdsh, plain torchrun"
 LAUNCH_STEPS = ["launch, pdsh", PLAIN, "launch", "stacks", "stop", "failure"]
+MAX_CHIEF_WEIGHT = 256  # docker's cpu-shares go up to 262144 (256 x the default 1024)
 SHARED = "/opt/nodeops-shared"  # where every node sees the shared env (read-only)
 TRIVIAL = "import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n"
 IDLE = "import time\nimport torch.distributed as d\nd.init_process_group('gloo')\nwhile True:\n    time.sleep(0.5)\n"
@@ -409,6 +410,7 @@ def weight_chief(b: Bench, weight: int, say: sandbox.Say) -> None:
     load the chief gets 1/N of them while it alone runs the supervisor and its ssh link to
     every host: a real chief has its own machine. With ``weight`` N the chief's share no longer
     shrinks as N grows; the default (1) is the plain sandbox."""
+    weight = min(weight, MAX_CHIEF_WEIGHT)
     if weight != 1:
         sandbox.docker("update", "--cpu-shares", str(1024 * weight), b.sb.nodes[0].container)
         say(f"the chief's container ({b.sb.nodes[0].name}) weighs {weight}x every other node's in CPU")
@@ -477,11 +479,14 @@ def main() -> int:
     if args.json_out:
         doc = {n: {k: (None if v is None else {**dataclasses.asdict(v), "stdout": "", "stderr": ""})
                    for k, v in r.items()} for n, r in results.items()}  # fmt: skip
-        args.json_out.write_text(json.dumps(doc, indent=1))
+        args.json_out.write_text(json.dumps({"chief_weight": args.chief_weight, "results": doc}, indent=1))
     print_times(results)
     print_costs(results)
     if args.chief_weight != "1":
-        print(f"\nthe launch rows ran with the chief weighing {args.chief_weight}x every other node in CPU")
+        print(
+            f"\nthe launch rows ran with the chief weighing {args.chief_weight}x (at most {MAX_CHIEF_WEIGHT}x) "
+            "every other node in CPU"
+        )
     return print_goals(results)
 
 

@@ -259,6 +259,14 @@ def host(ready: int | None = None) -> int:
     if read(P.PGID) is not None:
         tell_ready()
         return 0  # already started (start.sh is safe to run twice)
+    stopping = []
+
+    def on_signal(sig: int, _frame: object) -> None:  # an operator's kill, a shutdown: never orphan the job
+        stopping.append(f"the agent got signal {sig}")
+
+    # before the job starts (and start.sh returns): a signal from then on stops the job, never orphans it
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
     with open(path(P.LOG), "ab") as out:
         job = subprocess.Popen(["bash", path(P.JOB)], cwd=HERE, stdin=subprocess.DEVNULL, stdout=out,
                                stderr=subprocess.STDOUT, start_new_session=True,
@@ -267,13 +275,6 @@ def host(ready: int | None = None) -> int:
     write_atomic(P.PGID, str(job.pid))
     log(f"job started, pgid {job.pid}")
     tell_ready()
-    stopping = []
-
-    def on_signal(sig: int, _frame: object) -> None:  # an operator's kill, a shutdown: never orphan the job
-        stopping.append(f"the agent got signal {sig}")
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
     woken, wake = os.pipe()  # a signal writes here, so the wait below ends at once
     for fd in (woken, wake):
         os.set_blocking(fd, False)

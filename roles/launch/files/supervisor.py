@@ -458,7 +458,8 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         stop request; SIGUSR1 (`nodeops stacks`): an ask was left. The loop below looks at once
         rather than at its next 0.2 s."""
         if sig == signal.SIGTERM:
-            open(stop_file, "a").close()
+            with contextlib.suppress(OSError):  # raised here it would surface anywhere in the loop
+                open(stop_file, "a").close()
         events.put((None, None))
 
     signal.signal(signal.SIGTERM, wake)
@@ -544,6 +545,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         except queue.Empty:
             continue
         if got is None:  # a signal's wake: the stop request, an ask
+            log("woken by a signal: looking for a stop request and asks now")
             asks_looked = 0.0
             continue
         lk = got
@@ -798,9 +800,14 @@ def choose(active: list[dict[str, Any]], spares: list[dict[str, Any]], culprit: 
 def main() -> int:
     with open(os.path.join(HERE, P.RUN_CONFIG)) as f:
         cfg = json.load(f)
+
     # before the pid is written: nodeops signals a supervisor it finds by its pid file (supervise
     # then wakes its loop on both), and neither signal may end it
-    signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(HERE, P.STOP_REQUEST), "a").close())
+    def stop_requested_by_signal(_sig: int, _frame: object) -> None:
+        with contextlib.suppress(OSError):
+            open(os.path.join(HERE, P.STOP_REQUEST), "a").close()
+
+    signal.signal(signal.SIGTERM, stop_requested_by_signal)
     signal.signal(signal.SIGUSR1, lambda *_: None)
     with open(os.path.join(HERE, P.SUPERVISOR_PID), "w") as f:
         f.write(f"{os.getpid()}\n")

@@ -60,8 +60,8 @@ def start(dirs: list[Path]) -> subprocess.Popen[bytes]:
             subprocess.run([sys.executable, str(d / "agent.py"), "host", "--detach"], check=True,
                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
             assert (d / "pgid").exists()
-    # what `start.sh supervise` does on the chief, once every host has started
-    return subprocess.Popen([sys.executable, str(dirs[0] / "supervisor.py")], start_new_session=True)
+    # what `start.sh supervise` does on the chief (in its run dir), once every host has started
+    return subprocess.Popen([sys.executable, str(dirs[0] / "supervisor.py")], cwd=dirs[0], start_new_session=True)
 
 
 def ours(dirs: list[Path]) -> list[str]:
@@ -311,15 +311,47 @@ def test_nodeops_stop_signals_its_own_supervisor_and_no_other_process(tmp_path: 
         time.sleep(1)
         assert sup.poll() is None and sleeper.poll() is None
         assert not (chief / P.STOP_REQUEST).exists()
-        assert "stopping every host" not in (chief / P.SUPERVISOR_LOG).read_text()
+        log = (chief / P.SUPERVISOR_LOG).read_text()
+        assert "stopping every host" not in log and "woken by a signal" not in log
     finally:
         sleeper.kill()
         sleeper.wait()
     subprocess.run(["bash", "-c", ssh_run.ASK_STOP], cwd=chief, check=True, timeout=10)
     res = result_of(chief, sup)
     assert res["outcome"] == "stopped" and res["first_failure"] is None, res
-    assert "stopping every host: stop requested" in (chief / P.SUPERVISOR_LOG).read_text()
+    log = (chief / P.SUPERVISOR_LOG).read_text()
+    assert "stopping every host: stop requested" in log
+    assert "woken by a signal" in log  # the request came with the signal, not only as the file
     assert wait_clean(dirs) == []
+
+
+@pytest.mark.parametrize("shell", ["bash", "sh"])
+def test_a_supervisor_that_does_not_catch_the_signal_is_not_sent_it(tmp_path: Path, shell: str) -> None:
+    """A run started by an older nodeops has a supervisor without a USR1 handler, and USR1's
+    default ends a process: `nodeops stacks` must leave it alone (its ask is still read from the
+    file), on the login shell of any host (POSIX sh too)."""
+    fake = (
+        "import signal, time\nsignal.signal(signal.SIGTERM, lambda *_: open('termed', 'w').close())\n"
+        "open('up', 'w').close()\ntime.sleep(60)\n"
+    )
+    (tmp_path / "supervisor.py").write_text(fake)
+    old = subprocess.Popen([sys.executable, "supervisor.py"], cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "up").exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (tmp_path / P.SUPERVISOR_PID).write_text(f"{old.pid}\n")
+        for sig in ("USR1", "TERM"):  # TERM it catches: that one is sent
+            subprocess.run([shell, "-c", ssh_run.signal_supervisor(sig)], cwd=tmp_path, check=True, timeout=10)
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "termed").exists():  # the TERM it catches came
+            assert time.monotonic() < deadline, "the caught TERM was not sent"
+            time.sleep(0.05)
+        assert old.poll() is None  # and no USR1 ended it
+    finally:
+        old.kill()
+        old.wait()
 
 
 def test_torchrun_failure_line_starts_the_teardown_before_the_exit(tmp_path: Path) -> None:
@@ -614,6 +646,7 @@ def test_nodeops_stacks_is_answered_by_the_guards_through_the_supervisor(tmp_pat
     p = ask_stacks(tmp_path / "home", chief)
     head, _, body = p.stdout.partition("\n")
     assert (p.returncode, head) == (0, "answer"), (p.stdout, p.stderr)
+    assert "woken by a signal" in (chief / P.SUPERVISOR_LOG).read_text()  # the ask's SIGUSR1
     hosts = json.loads(body)["hosts"]
     assert sorted(hosts) == ["a", "b", "c"]
     got = {h: S.read_answer(text, h) for h, text in hosts.items()}

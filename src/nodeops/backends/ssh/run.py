@@ -225,14 +225,20 @@ STACKS_TAKEN_WAIT = 3.0  # how long an ask may wait to be taken by the superviso
 
 
 def signal_supervisor(sig: str) -> str:
-    """bash, run in the run dir: send ``sig`` (TERM: a stop request; USR1: an ask was left) to
+    """sh, run in the run dir: send ``sig`` (TERM: a stop request; USR1: an ask was left) to
     the run's supervisor, so that it looks now rather than at its next 0.2 s. Only to the
-    process its pid file names when that is a supervisor.py whose cwd is this run dir: never
-    another run's supervisor, nor a process that reused the pid. Always succeeds: the files the
-    supervisor reads are the request; the signal only hurries it."""
+    process its pid file names when that is a supervisor.py whose cwd is this run dir (never
+    another run's supervisor, nor a process that reused the pid), and only when it catches the
+    signal (its SigCgt): a supervisor of an older nodeops, still running a long job, has no
+    USR1 handler, and the signal would end it. Always succeeds: the files the supervisor reads
+    are the request; the signal only hurries it."""
+    num = int(signal.Signals[f"SIG{sig}"])
     return (f"p=$(cat {P.SUPERVISOR_PID} 2>/dev/null); case $p in ''|*[!0-9]*) ;; "
-            f'*) if [ /proc/"$p"/cwd -ef . ] && grep -qs supervisor.py /proc/"$p"/cmdline; '
-            f'then kill -{sig} "$p" 2>/dev/null; fi ;; esac; true')  # fmt: skip
+            f'*) if [ /proc/"$p"/cwd -ef . ] && grep -qs supervisor.py /proc/"$p"/cmdline; then '
+            f"m=$(sed -n 's/^SigCgt:[[:space:]]*//p' /proc/\"$p\"/status 2>/dev/null); "
+            "case $m in ''|*[!0-9a-fA-F]*) ;; "
+            f'*) if [ $(( (0x$m >> {num - 1}) & 1 )) -eq 1 ]; then kill -{sig} "$p" 2>/dev/null; fi ;; esac; '
+            "fi ;; esac; true")  # fmt: skip
 
 
 # bash, in the run dir: the stop request the supervisor reads, and a signal that it reads it now
