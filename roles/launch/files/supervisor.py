@@ -458,8 +458,7 @@ def supervise(cfg: dict[str, Any], hosts: list[dict[str, Any]]) -> dict[str, Any
         stop request; SIGUSR1 (`nodeops stacks`): an ask was left. The loop below looks at once
         rather than at its next 0.2 s."""
         if sig == signal.SIGTERM:
-            with contextlib.suppress(OSError):  # raised here it would surface anywhere in the loop
-                open(stop_file, "a").close()
+            request_stop_here()
         events.put((None, None))
 
     signal.signal(signal.SIGTERM, wake)
@@ -662,6 +661,13 @@ def stop_requested() -> bool:
     return os.path.exists(os.path.join(HERE, P.STOP_REQUEST))
 
 
+def request_stop_here(*_: object) -> None:
+    """A SIGTERM's handler (`nodeops stop` sends it after its request, as an operator's kill
+    does): the stop request's file. Never raises: raised in a handler it would surface anywhere."""
+    with contextlib.suppress(OSError):
+        open(os.path.join(HERE, P.STOP_REQUEST), "a").close()
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     """Every attempt of the run: the first on the hosts the controller started; after a failure
     that restarts (recovery.py), the next on the hosts recovery.next_hosts chose, started from
@@ -803,11 +809,7 @@ def main() -> int:
 
     # before the pid is written: nodeops signals a supervisor it finds by its pid file (supervise
     # then wakes its loop on both), and neither signal may end it
-    def stop_requested_by_signal(_sig: int, _frame: object) -> None:
-        with contextlib.suppress(OSError):
-            open(os.path.join(HERE, P.STOP_REQUEST), "a").close()
-
-    signal.signal(signal.SIGTERM, stop_requested_by_signal)
+    signal.signal(signal.SIGTERM, request_stop_here)
     signal.signal(signal.SIGUSR1, lambda *_: None)
     with open(os.path.join(HERE, P.SUPERVISOR_PID), "w") as f:
         f.write(f"{os.getpid()}\n")

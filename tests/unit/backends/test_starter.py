@@ -55,15 +55,19 @@ def test_every_host_gets_its_agent_and_only_the_chief_the_supervisor() -> None:
     assert 'source "$HOME"/.venvs/t/bin/activate' in job
 
 
+def shipped_with_start(run_id: str) -> list[starter.RunFile]:
+    """A non-chief host's start.sh, the ranks' hook and the agent's files, as launch ships them."""
+    loaded = load_spec_text(SPEC)
+    plan = launchers.plan(loaded.spec, ["x"], run_id)
+    return [f for f in starter.host_files(loaded, plan, run_id, {"hosts": []})["10.0.0.2"]
+            if f.name in ("start.sh", "hook/sitecustomize.py", *starter.SHIPPED)]  # fmt: skip
+
+
 def test_bundle_writes_the_files_and_starts_the_job_in_its_own_group(tmp_path: Path) -> None:
     """The bundle that ssh pipes to `bash -s`, run locally with HOME pointing to a temp dir."""
     job = "#!/usr/bin/env bash\necho hello from $NODEOPS_TEST\nexit 3\n"
     files = [starter.RunFile("job.sh", job, "0700"), starter.RunFile("shim.sh", 'exec "$@"\n', "0755")]
-    loaded = load_spec_text(SPEC)
-    plan = launchers.plan(loaded.spec, ["x"], "20261122-101500-ab12")
-    shipped = [f for f in starter.host_files(loaded, plan, "20261122-101500-ab12", {"hosts": []})["10.0.0.2"]
-               if f.name in ("start.sh", "hook/sitecustomize.py", *starter.SHIPPED)]  # fmt: skip
-    script = starter.bundle("20261122-101500-ab12", [*files, *shipped])
+    script = starter.bundle("20261122-101500-ab12", [*files, *shipped_with_start("20261122-101500-ab12")])
     p = subprocess.run(["bash", "-s"], input=script, capture_output=True, text=True, timeout=30, check=False,
                        env={**os.environ, "HOME": str(tmp_path), "NODEOPS_TEST": "t1"})  # fmt: skip
     assert p.returncode == 0, p.stderr
@@ -92,10 +96,7 @@ def test_start_says_at_once_when_the_agent_fails_before_the_job_starts(tmp_path:
     agent cannot write host.log (here a directory) fails in well under start.sh's 15 s wait,
     naming the host and agent.log, and nothing of the run is left."""
     rid = "20261122-101500-ab13"
-    loaded = load_spec_text(SPEC)
-    plan = launchers.plan(loaded.spec, ["x"], rid)
-    shipped = [f for f in starter.host_files(loaded, plan, rid, {"hosts": []})["10.0.0.2"]
-               if f.name in ("start.sh", "hook/sitecustomize.py", *starter.SHIPPED)]  # fmt: skip
+    shipped = shipped_with_start(rid)
     d = tmp_path / ".nodeops" / "runs" / rid
     (d / "host.log").mkdir(parents=True)
     script = starter.bundle(rid, [starter.RunFile("job.sh", "sleep 30\n", "0700"), *shipped])

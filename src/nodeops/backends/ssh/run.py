@@ -241,7 +241,7 @@ def signal_supervisor(sig: str) -> str:
             "fi ;; esac; true")  # fmt: skip
 
 
-# bash, in the run dir: the stop request the supervisor reads, and a signal that it reads it now
+# sh, in the run dir: the stop request the supervisor reads, and a signal that it reads it now
 ASK_STOP = f"touch {P.STOP_REQUEST} && {{ {signal_supervisor('TERM')}; }}"
 
 
