@@ -68,6 +68,7 @@ def _nodeops_stack_hook():
     if _os.environ.get("NODEOPS_RUN_ID") != _os.path.basename(run_dir) or "RANK" not in _os.environ:
         return None
     _nodeops_raised_hook(run_dir)
+    _nodeops_exit_hook()
     _nodeops_finished_hook(run_dir)
     if _os.environ.get("NODEOPS_FLIGHT_RECORDER") == "1":
         _nodeops_flight_recorder(run_dir)
@@ -104,17 +105,51 @@ def _nodeops_raised_hook(run_dir):
 
 
 _nodeops_uncaught = []
+_nodeops_failed_exit = []  # [True]: the last sys.exit/exit() the script called asked for a non-zero status
+
+
+def _nodeops_exit_hook():
+    # A non-zero sys.exit (argparse's usage error, click's, hydra's, the script's own) or exit()
+    # is the script's failure, not the end of its work: it reaches no excepthook, and atexit runs
+    # as after a last line. The status it asked for is kept (a later call replaces it) for the
+    # finished mark below. A bare `raise SystemExit(2)` is not seen: that rank counts as finished.
+    import builtins
+    import sys
+
+    def keep(status):
+        try:
+            _nodeops_failed_exit[:] = [status is not None and status is not False and status != 0]
+        except Exception:
+            pass
+
+    prev = sys.exit
+
+    def exit(status=None):
+        keep(status)
+        prev(status)
+
+    sys.exit = exit
+    quitter = type(getattr(builtins, "exit", None))  # site's exit() and quit(): one class
+    if getattr(quitter, "__module__", "") in ("_sitebuiltins", "site") and "__call__" in vars(quitter):
+        call = quitter.__call__
+
+        def quit_call(self, code=None):
+            keep(code)
+            return call(self, code)
+
+        quitter.__call__ = quit_call
 
 
 def _nodeops_finished_hook(run_dir):
-    # The script's end (its last line ran, or sys.exit): finished/HOST-PID.txt, written by atexit,
-    # which runs before the interpreter's and the C++ libraries' teardown. A rank that then dies
-    # of a signal (gloo's "terminate called without an active exception") finished its work: the
-    # supervisor tells that apart and never runs a finished job again.
+    # The script's end (its last line ran, or sys.exit(0)): finished/HOST-PID.txt, written by
+    # atexit, which runs before the interpreter's and the C++ libraries' teardown. A rank that then
+    # dies of a signal (gloo's "terminate called without an active exception") finished its work:
+    # the supervisor tells that apart and never runs a finished job again. A script that raised, or
+    # asked for a non-zero exit status, did not finish its work: no mark.
     import atexit
 
     def done():
-        if _nodeops_uncaught:
+        if _nodeops_uncaught or _nodeops_failed_exit == [True]:
             return
         try:
             d = _os.path.join(run_dir, "finished")

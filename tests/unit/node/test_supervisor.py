@@ -429,6 +429,50 @@ def test_the_ranks_hook_marks_only_an_exception_the_script_did_not_catch(tmp_pat
     assert other.returncode == 1 and not any((run / S.RAISED_DIR).iterdir())  # not a rank of this run: no mark
 
 
+def test_the_ranks_hook_marks_finished_only_a_script_that_ended_without_failing(tmp_path: Path) -> None:
+    """finished/ (a crash after it is a teardown crash, exit 3) is for a script that ended: its
+    last line, or an exit asking for status 0. A non-zero sys.exit (argparse's usage error) or
+    exit() is the script's failure; a later exit replaces what an earlier, caught one asked."""
+    run = tmp_path / "20261127-080000-ab12"
+    (run / S.HOOK_DIR).mkdir(parents=True)
+    (run / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(run / S.HOOK_DIR), "NODEOPS_RUN_ID": run.name, "RANK": "0"}
+    scripts = {
+        "last line": ("print('done')", 0),
+        "exit 0": ("import sys\nsys.exit(0)", 0),
+        "exit None": ("import sys\nsys.exit()", 0),
+        "exit False": ("import sys\nsys.exit(False)", 0),
+        "exit 3": ("import sys\nsys.exit(3)", 3),
+        "exit message": ("import sys\nsys.exit('cannot read the dataset')", 1),
+        "argparse": ("import argparse\nargparse.ArgumentParser().parse_args(['--no-such-flag'])", 2),
+        "builtin exit": ("exit(4)", 4),
+        "builtin quit": ("quit(5)", 5),
+        "caught, then 0": ("import sys\ntry:\n    sys.exit(2)\nexcept SystemExit:\n    pass\nsys.exit(0)", 0),
+        "raised": ("raise ValueError('bad')", 1),
+    }
+    finished = {}
+    for name, (code, rc) in scripts.items():
+        p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
+        assert p.returncode == rc, (name, p.returncode, p.stderr)
+        marks = sorted((run / S.FINISHED_DIR).glob(f"{os.uname()[1]}-*.txt")) if (run / S.FINISHED_DIR).is_dir() else []
+        finished[name] = len(marks)
+        for m in marks:
+            m.unlink()
+    assert finished == {
+        "last line": 1,
+        "exit 0": 1,
+        "exit None": 1,
+        "exit False": 1,
+        "exit 3": 0,
+        "exit message": 0,
+        "argparse": 0,
+        "builtin exit": 0,
+        "builtin quit": 0,
+        "caught, then 0": 1,
+        "raised": 0,
+    }
+
+
 def victim_and_cause(tmp: Path, *, victim_code: int, then: str, cause_after: float,
                      cause_then: str) -> tuple[dict[str, object], list[Path]]:  # fmt: skip
     """h1's rank reports a lost peer (torchrun: exitcode ``victim_code``); ``cause_after`` s later
