@@ -67,9 +67,11 @@ def _nodeops_stack_hook():
     run_dir = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
     if _os.environ.get("NODEOPS_RUN_ID") != _os.path.basename(run_dir) or "RANK" not in _os.environ:
         return None
-    _nodeops_raised_hook(run_dir)
-    _nodeops_exit_hook()
-    _nodeops_finished_hook(run_dir)
+    for hook in (_nodeops_raised_hook, _nodeops_exit_hook, _nodeops_finished_hook):
+        try:  # each on its own: one that fails leaves the others, and the stacks, in place
+            hook(run_dir)
+        except Exception:
+            pass
     if _os.environ.get("NODEOPS_FLIGHT_RECORDER") == "1":
         _nodeops_flight_recorder(run_dir)
     d = _os.path.join(run_dir, "stacks")
@@ -108,17 +110,23 @@ _nodeops_uncaught = []
 _nodeops_failed_exit = []  # [True]: the last sys.exit/exit() the script called asked for a non-zero status
 
 
-def _nodeops_exit_hook():
+def _nodeops_exit_hook(run_dir):
     # A non-zero sys.exit (argparse's usage error, click's, hydra's, the script's own) or exit()
-    # is the script's failure, not the end of its work: it reaches no excepthook, and atexit runs
-    # as after a last line. The status it asked for is kept (a later call replaces it) for the
-    # finished mark below. A bare `raise SystemExit(2)` is not seen: that rank counts as finished.
+    # in the main thread is the script's failure, not the end of its work: it reaches no
+    # excepthook, and atexit runs as after a last line. The status asked for is kept (a later
+    # call replaces it) for the finished mark below: failed unless None or an int equal to 0, as
+    # CPython decides the exit code. Not seen: a bare `raise SystemExit(2)` (that rank counts as
+    # finished); a non-zero exit the script caught before ending on its last line counts as failed.
+    import _thread
     import builtins
     import sys
 
+    main = _thread.get_ident()  # sitecustomize runs in the main thread; a thread's sys.exit ends only it
+
     def keep(status):
         try:
-            _nodeops_failed_exit[:] = [status is not None and status is not False and status != 0]
+            if _thread.get_ident() == main:
+                _nodeops_failed_exit[:] = [not (status is None or (isinstance(status, int) and status == 0))]
         except Exception:
             pass
 
@@ -128,7 +136,8 @@ def _nodeops_exit_hook():
         keep(status)
         prev(status)
 
-    sys.exit = exit
+    exit.__module__, exit.__name__, exit.__qualname__, exit.__doc__ = "sys", "exit", "exit", prev.__doc__
+    sys.exit = exit  # pickled by name (sys.exit) as before
     quitter = type(getattr(builtins, "exit", None))  # site's exit() and quit(): one class
     if getattr(quitter, "__module__", "") in ("_sitebuiltins", "site") and "__call__" in vars(quitter):
         call = quitter.__call__

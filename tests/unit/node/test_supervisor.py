@@ -432,7 +432,8 @@ def test_the_ranks_hook_marks_only_an_exception_the_script_did_not_catch(tmp_pat
 def test_the_ranks_hook_marks_finished_only_a_script_that_ended_without_failing(tmp_path: Path) -> None:
     """finished/ (a crash after it is a teardown crash, exit 3) is for a script that ended: its
     last line, or an exit asking for status 0. A non-zero sys.exit (argparse's usage error) or
-    exit() is the script's failure; a later exit replaces what an earlier, caught one asked."""
+    exit() in the main thread is the script's failure; a later exit replaces what an earlier,
+    caught one asked (a caught one the script then ran past counts as failed: no mark)."""
     run = tmp_path / "20261127-080000-ab12"
     (run / S.HOOK_DIR).mkdir(parents=True)
     (run / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
@@ -448,7 +449,18 @@ def test_the_ranks_hook_marks_finished_only_a_script_that_ended_without_failing(
         "builtin exit": ("exit(4)", 4),
         "builtin quit": ("quit(5)", 5),
         "caught, then 0": ("import sys\ntry:\n    sys.exit(2)\nexcept SystemExit:\n    pass\nsys.exit(0)", 0),
+        "caught, then the last line": ("import sys\ntry:\n    sys.exit(2)\nexcept SystemExit:\n    pass", 0),
+        "a thread's exit": (
+            "import sys, threading\nt = threading.Thread(target=sys.exit, args=(3,))\nt.start()\nt.join()",
+            0,
+        ),
+        "exit 0.0": ("import sys\nsys.exit(0.0)", 1),  # CPython: only None or an int 0 exits 0
         "raised": ("raise ValueError('bad')", 1),
+        "pickled": (
+            "import pickle, sys\nassert pickle.loads(pickle.dumps(sys.exit)) is sys.exit\n"
+            "assert sys.exit.__module__ == 'sys'",
+            0,
+        ),
     }
     finished = {}
     for name, (code, rc) in scripts.items():
@@ -469,7 +481,11 @@ def test_the_ranks_hook_marks_finished_only_a_script_that_ended_without_failing(
         "builtin exit": 0,
         "builtin quit": 0,
         "caught, then 0": 1,
+        "caught, then the last line": 0,
+        "a thread's exit": 1,
+        "exit 0.0": 0,
         "raised": 0,
+        "pickled": 1,
     }
 
 
