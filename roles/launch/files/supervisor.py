@@ -64,12 +64,13 @@ FLIGHT_WAIT = 2.0  # NCCL ranks asked for their flight-recorder dump write it wi
 HERE = os.path.dirname(os.path.abspath(__file__))
 # The mesh path (as mpirun and pdsh use it): strict host keys, no prompts, no user ControlMaster.
 SSH_OPTS = ["BatchMode=yes", "StrictHostKeyChecking=yes", *P.SSH_TIMEOUTS, "ControlMaster=no", "ControlPath=none"]
-# The links' key exchange, where the chief's ssh would begin with sntrup761x25519 (OpenSSH 9.0 to
-# 9.8's default): its client side took ~150 ms of CPU per connection against ~25 ms for
-# curve25519-sha256 (OpenSSH 9.2, 5 connections each on a sandbox node), and the chief opens one
-# link per host at every launch (~8 CPU s at 64 hosts, on the chief alone). Filled by main() once
-# (link_kex); OpenSSH 9.9's default, mlkem768x25519, is as cheap and is left first.
-KEX: list[str] = []
+# The mesh ssh's key exchange, per host: where the chief's ssh would begin with sntrup761x25519
+# (OpenSSH 9.0 to 9.8's default), its client side took ~150 ms of CPU per connection against
+# ~25 ms for curve25519-sha256 (OpenSSH 9.2, 5 connections each on a sandbox node), and the chief
+# opens one link per host at every launch (~8 CPU s at 64 hosts, on the chief alone). OpenSSH
+# 9.9's default, mlkem768x25519, is as cheap and is left first. (address, port, user) -> options.
+KEX: dict[tuple[str, str, str], list[str]] = {}
+DEFAULT_KEX: list[list[str]] = []  # [the chief's ssh's own default list], found once
 FAST_KEX = "curve25519-sha256"
 
 
@@ -78,40 +79,55 @@ def log(msg: str) -> None:
         f.write(f"{time.time():.3f} {msg}\n")
 
 
-def ssh_base(host: dict[str, Any]) -> list[str]:
+def ssh_base(host: dict[str, Any], kex: bool = True) -> list[str]:
     """``ssh`` with the mesh path's options, the host's port and user (its address comes next)."""
     argv = ["ssh", "-p", str(host.get("port", 22))]
-    for o in [*SSH_OPTS, *KEX]:
+    for o in [*SSH_OPTS, *(host_kex(host) if kex else [])]:
         argv += ["-o", o]
     if host.get("user"):
         argv += ["-l", host["user"]]
     return argv
 
 
-def link_kex(hosts: list[dict[str, Any]]) -> list[str]:
-    """``["KexAlgorithms=LIST"]`` when the chief's ssh, as configured for the first remote host
-    (``ssh -G``: its config files included), would begin its key exchange with sntrup761x25519
-    and allows curve25519-sha256: the same algorithms, curve25519-sha256 first (what the user's
-    config allows is never widened). Else ``[]``: ssh's own choice."""
-    remote = [h for h in hosts if not h.get("local")]
-    if not remote:
-        return []
+def resolved_kex(argv: list[str]) -> list[str]:
+    """The key exchange list ``ssh -G`` resolves (nothing is connected); [] when it cannot."""
     try:
-        p = subprocess.run([*ssh_base(remote[0]), "-G", remote[0]["address"]], stdin=subprocess.DEVNULL,
-                           capture_output=True, text=True, timeout=10, check=False)  # fmt: skip
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=10, check=False)
     except (OSError, subprocess.SubprocessError):
         return []
-    return kex_order(p.stdout)
+    return kex_list(p.stdout) if p.returncode == 0 else []
 
 
-def kex_order(resolved: str) -> list[str]:
-    """:func:`link_kex`'s choice, from what ``ssh -G`` printed."""
+def host_kex(host: dict[str, Any]) -> list[str]:
+    """The key exchange option of the mesh ssh to ``host`` (:func:`link_kex`), found once per
+    address, port and user: ``ssh -G`` for the host, and once for ssh's own default."""
+    key = (str(host.get("address", "")), str(host.get("port", 22)), str(host.get("user") or ""))
+    if key not in KEX:
+        if not DEFAULT_KEX:
+            DEFAULT_KEX[:] = [resolved_kex(["ssh", "-F", "/dev/null", "-G", "nodeops-kex-default"])]
+        chosen = link_kex(DEFAULT_KEX[0], resolved_kex([*ssh_base(host, kex=False), "-G", key[0]]))
+        if chosen and chosen not in KEX.values():
+            log(f"the links' key exchange: {chosen[0]}")
+        KEX[key] = chosen
+    return KEX[key]
+
+
+def kex_list(resolved: str) -> list[str]:
+    """The key exchange list in what ``ssh -G`` printed; [] without one."""
     for line in resolved.splitlines():
         key, _, value = line.partition(" ")
         if key == "kexalgorithms":
-            algs = value.strip().split(",")
-            if algs[0].startswith("sntrup761") and FAST_KEX in algs:
-                return ["KexAlgorithms=" + ",".join([FAST_KEX, *(a for a in algs if a != FAST_KEX)])]
+            return value.strip().split(",")
+    return []
+
+
+def link_kex(default: list[str], mine: list[str]) -> list[str]:
+    """``["KexAlgorithms=LIST"]`` when the host's list (``mine``) is ssh's own ``default`` (no
+    config file, the system's or the user's, chose one for it: a choice made there is left as
+    it is), begins with sntrup761x25519 and holds curve25519-sha256: the same algorithms,
+    curve25519-sha256 first. Else ``[]``: ssh's own choice."""
+    if mine and mine == default and mine[0].startswith("sntrup761") and FAST_KEX in mine:
+        return ["KexAlgorithms=" + ",".join([FAST_KEX, *(a for a in mine if a != FAST_KEX)])]
     return []
 
 
@@ -855,9 +871,6 @@ def main() -> int:
         f.write(f"{os.getpid()}\n")
     log("supervising " + ", ".join(h["name"] for h in cfg["hosts"]))
     try:
-        KEX[:] = link_kex(cfg["hosts"])
-        if KEX:
-            log(f"the links' key exchange: {KEX[0]}")
         result = run(cfg)
     except Exception as e:  # never leave the run without a verdict
         result = {"run_id": cfg["run_id"], "outcome": "error", "first_failure": None, "hosts": {},

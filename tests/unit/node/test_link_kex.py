@@ -1,5 +1,5 @@
-"""The supervisor's links to the guards: their key exchange (supervisor.kex_order), read from
-what the real ``ssh -G`` resolves for a config (OpenSSH's own parser)."""
+"""The supervisor's links to the guards: their key exchange (supervisor.link_kex), decided from
+what the real ``ssh -G`` resolves (OpenSSH's own parser; nothing is connected)."""
 
 from __future__ import annotations
 
@@ -12,54 +12,59 @@ import pytest
 from nodeops.node import supervisor as SUP
 
 pytestmark = pytest.mark.skipif(shutil.which("ssh") is None, reason="needs the OpenSSH client")
+SNTRUP = "sntrup761x25519-sha512@openssh.com"
 
 
-def resolved(tmp: Path, kex: str | None) -> str:
-    cfg = tmp / "ssh_config"
-    cfg.write_text("Host *\n" + (f"  KexAlgorithms {kex}\n" if kex else ""))
-    p = subprocess.run(["ssh", "-F", str(cfg), "-G", "node7"], capture_output=True, text=True, check=True)
-    return p.stdout
+def resolved(config: Path | str, host: str = "node7", *opts: str) -> list[str]:
+    p = subprocess.run(["ssh", "-F", str(config), *opts, "-G", host], capture_output=True, text=True, check=True)
+    return SUP.kex_list(p.stdout)
 
 
-def supported() -> set[str]:
-    return set(subprocess.run(["ssh", "-Q", "kex"], capture_output=True, text=True, check=True).stdout.split())
+def default() -> list[str]:
+    return resolved("/dev/null")
 
 
-def test_sntrup_first_puts_curve25519_first_and_keeps_the_same_algorithms(tmp_path: Path) -> None:
-    if not {"sntrup761x25519-sha512@openssh.com", "curve25519-sha256"} <= supported():
-        pytest.skip("this OpenSSH has no sntrup761x25519")
-    listed = "sntrup761x25519-sha512@openssh.com,ecdh-sha2-nistp256,curve25519-sha256"
-    got = SUP.kex_order(resolved(tmp_path, listed))
-    assert got == ["KexAlgorithms=curve25519-sha256,sntrup761x25519-sha512@openssh.com,ecdh-sha2-nistp256"]
-    # what ssh itself makes of the option: the same set, nothing widened
-    again = SUP.kex_order(resolved(tmp_path, got[0].split("=", 1)[1]))
-    assert again == []
-
-
-@pytest.mark.parametrize(
-    "listed",
-    [
-        "curve25519-sha256,sntrup761x25519-sha512@openssh.com",  # already first
-        "sntrup761x25519-sha512@openssh.com,ecdh-sha2-nistp256",  # the user's config allows no curve25519: kept
-        "ecdh-sha2-nistp256",
-    ],
-)
-def test_other_lists_are_left_to_ssh(tmp_path: Path, listed: str) -> None:
-    if not set(listed.split(",")) <= supported():
-        pytest.skip("this OpenSSH lacks one of them")
-    assert SUP.kex_order(resolved(tmp_path, listed)) == []
-
-
-def test_this_clients_default_is_reordered_only_when_it_starts_with_sntrup(tmp_path: Path) -> None:
-    out = resolved(tmp_path, None)
-    default = next(line.split(" ", 1)[1].split(",") for line in out.splitlines() if line.startswith("kexalgorithms "))
-    got = SUP.kex_order(out)
-    if default[0].startswith("sntrup761") and "curve25519-sha256" in default:
-        assert got and got[0].startswith("KexAlgorithms=curve25519-sha256,")
-        assert sorted(got[0].split("=", 1)[1].split(",")) == sorted(default)
+def test_ssh_s_own_default_beginning_with_sntrup_is_reordered_and_nothing_else(tmp_path: Path) -> None:
+    own = default()
+    got = SUP.link_kex(own, own)
+    if own[0].startswith("sntrup761") and SUP.FAST_KEX in own:
+        assert got and got[0].startswith(f"KexAlgorithms={SUP.FAST_KEX},")
+        # what ssh makes of the option: the same algorithms, curve25519-sha256 first
+        again = resolved("/dev/null", "node7", "-o", got[0])
+        assert again[0] == SUP.FAST_KEX and sorted(again) == sorted(own)
     else:
-        assert got == []
+        assert got == []  # OpenSSH 9.9's mlkem768x25519 or an older default: left first
 
 
-def test_no_kexalgorithms_line_is_left_to_ssh() -> None:
-    assert SUP.kex_order("user debian\nport 22\n") == []
+def test_a_list_a_config_chose_is_left_as_it_is(tmp_path: Path) -> None:
+    """A Host block's (or the system policy's) own list, even one beginning with sntrup, is the
+    user's choice: the links keep it, per host (another host's list never applies to it)."""
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text(f"Host strict\n  KexAlgorithms {SNTRUP}\nHost legacy\n  KexAlgorithms ecdh-sha2-nistp256\n")
+    own = default()
+    assert SUP.link_kex(own, resolved(cfg, "strict")) == []
+    assert SUP.link_kex(own, resolved(cfg, "legacy")) == []
+    assert SUP.link_kex(own, resolved(cfg, "other")) == SUP.link_kex(own, own)  # no block: ssh's default
+
+
+def test_no_list_is_left_to_ssh() -> None:
+    assert SUP.kex_list("user debian\nport 22\n") == []
+    assert SUP.link_kex([], []) == []
+    assert SUP.link_kex([SNTRUP], [SNTRUP]) == []  # no curve25519-sha256 to put first
+
+
+def test_the_mesh_ssh_argv_carries_the_host_s_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(SUP, "log", said.append)  # not the shipped dir's supervisor.log
+    monkeypatch.setattr(SUP, "KEX", {})
+    monkeypatch.setattr(SUP, "DEFAULT_KEX", [])
+    host = {"name": "node7", "address": "10.0.0.7", "port": 2222, "user": "debian"}
+    argv = SUP.ssh_base(host)
+    got = SUP.kex_list(subprocess.run([*argv, "-G", host["address"]], capture_output=True, text=True,
+                                      check=True).stdout)  # fmt: skip
+    own = default()
+    assert sorted(got) == sorted(own)
+    assert got[0] == (SUP.FAST_KEX if SUP.link_kex(own, own) else own[0])
+    assert said == ([f"the links' key exchange: {SUP.link_kex(own, own)[0]}"] if SUP.link_kex(own, own) else [])
+    SUP.ssh_base(dict(host, name="again"))  # the same address, port and user: found once, said once
+    assert len(said) <= 1 and list(SUP.KEX) == [("10.0.0.7", "2222", "debian")]
