@@ -542,20 +542,23 @@ class SshBackend(Backend):
                 emit(host, line)
 
     def stop(self, job: store.Job, sink: Sink) -> None:
-        ended, asked = ssh_run.verdict_or_stop(job.ssh_config, job.chief, job.run_id)
+        # The supervisor stops every host and records the run as stopped; its guards confirm that
+        # nothing is left where they stopped it. kill on every other host then confirms (and does
+        # it alone when the chief cannot be reached). With restarts the supervisor may be between
+        # attempts (a preflight, a start): its verdict says when it stopped everything, and only
+        # then is the kill below final. The ask and the wait for the verdict are one ssh session.
+        wait = 15 + (60 if job.handle.get(RESTARTS) else 0)
+        ended, asked, verdict = ssh_run.verdict_or_stop(job.ssh_config, job.chief, job.run_id, wait=wait)
         confirmed: dict[str, str] = {}
         if ended is not None:
             sink.note(f"run {job.run_id} had already ended ({store.describe(ended)}); confirming nothing is left")
-        # The supervisor stops every host and records the run as stopped; its guards confirm that
-        # nothing is left where they stopped it. kill on every other host then confirms (and does
-        # it alone when the chief cannot be reached).
-        elif asked:
-            # with restarts the supervisor may be between attempts (a preflight, a start): its
-            # verdict says when it stopped everything, and only then is the kill below final
-            wait = 15 + (60 if job.handle.get(RESTARTS) else 0)
-            verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=wait)
-            if verdict is not None and verdict.get("outcome") == "stopped" and verdict.get("stop_confirmed") is True:
-                confirmed = ssh_run.confirmed_stopped(verdict)
+        elif (
+            asked
+            and verdict is not None
+            and verdict.get("outcome") == "stopped"
+            and verdict.get("stop_confirmed") is True
+        ):
+            confirmed = ssh_run.confirmed_stopped(verdict)
         rest = [h for h in job.kill_hosts if h not in confirmed]
         stopped = ssh_run.stop_hosts(job.ssh_config, rest, job.run_id) if rest else {}
         problems = {h: why for h, (why, _) in stopped.items() if why}

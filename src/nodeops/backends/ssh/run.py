@@ -356,25 +356,36 @@ def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESU
         time.sleep(0.5)
 
 
-def verdict_or_stop(ssh_config: Path, chief: str, run_id: str) -> tuple[dict[str, Any] | None, bool]:
+def verdict_or_stop(ssh_config: Path, chief: str, run_id: str,
+                    wait: float = 0.0) -> tuple[dict[str, Any] | None, bool, dict[str, Any] | None]:  # fmt: skip
     """One ssh to the chief: the run's result.json when it has one (the run had ended), else the
-    stop asked of its supervisor (:func:`request_stop`'s file). ``(result, False)``, ``(None,
-    True)`` once asked, ``(None, False)`` when neither could be done (the chief unreachable)."""
+    stop asked of its supervisor (:func:`request_stop`'s file), then, in the same session, its
+    verdict once written (up to ``wait`` seconds). ``(result, False, None)`` when it had ended;
+    ``(None, True, verdict)`` once asked (``verdict`` None: not within ``wait``); ``(None, False,
+    None)`` when neither could be done (the chief unreachable). A session lost after the ask
+    waits for the verdict in another (:func:`fetch_result`)."""
     script = (f"cd {sh_word(remote_dir(run_id))} || exit 1; "
               f"if [ -e {P.RESULT} ]; then echo ended; exec cat {P.RESULT}; fi; "
-              f"{ASK_STOP} && echo asked")  # fmt: skip
+              f"{ASK_STOP} && echo asked && {{ {cat_when_there(P.RESULT, wait)}; }}")  # fmt: skip
+    deadline = time.monotonic() + wait
     try:
-        p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True, timeout=20,
-                           check=False, start_new_session=True)  # fmt: skip
-    except subprocess.TimeoutExpired:
-        return None, False
-    head, _, body = p.stdout.partition("\n")
-    if p.returncode == 0 and head == "ended":
-        try:
-            return dict(json.loads(body)), False
-        except ValueError:
-            return None, False
-    return None, p.returncode == 0 and head == "asked"
+        p = subprocess.run(ssh_argv(ssh_config, chief, script), capture_output=True, text=True, errors="replace",
+                           timeout=20 + 2 * wait, check=False, start_new_session=True)  # fmt: skip
+        rc, out = p.returncode, p.stdout
+    except subprocess.TimeoutExpired as e:
+        rc, out = None, e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    head, _, body = out.partition("\n")
+    if head not in ("ended", "asked"):
+        return None, False, None
+    try:
+        doc = dict(json.loads(body)) if body.strip() else None
+    except ValueError:
+        doc = None
+    if head == "ended":
+        return (doc, False, None) if rc == 0 else (None, False, None)
+    if doc is None and rc != 0:  # asked, then the session was lost: wait for the verdict in another
+        doc = fetch_result(ssh_config, chief, run_id, wait=max(0.0, deadline - time.monotonic()))
+    return None, True, doc
 
 
 def confirmed_stopped(result: dict[str, Any]) -> dict[str, str]:
