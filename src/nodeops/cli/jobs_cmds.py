@@ -33,7 +33,8 @@ RunArg = Annotated[
     epilog="Examples:\n\n    nodeops status 20261122-101500-ab12\n\n    nodeops status cluster.yaml   # its latest run"
 )
 def status(run_id: RunArg = None) -> None:
-    """Show each host's job state: running, exited CODE, killed or unreachable.
+    """Show each host's job state: running, exited CODE, killed or unreachable, then the run's
+    verdict with its timeline, or, while it runs, on how many hosts and since when.
 
     Exit 0 while every host is running or exited 0; 1 when any host failed, was killed or
     cannot be reached.

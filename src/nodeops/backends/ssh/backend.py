@@ -69,6 +69,20 @@ def emitter(rank_hosts: list[str], pdsh_hosts: dict[str, str] | None, emit_line:
     return emit
 
 
+def running_summary(job: store.Job, states: Mapping[str, str], now: float | None = None) -> str:
+    """`status`'s line for a run without a verdict yet: how many of its hosts run it, and since when."""
+    running = sum(1 for st in states.values() if st.startswith("running"))
+    since = ""
+    if job.started:
+        m, sec = divmod(max(0, int((time.time() if now is None else now) - job.started)), 60)
+        h, m = divmod(m, 60)
+        took = f"{h}h{m:02d}m" if h else f"{m}m{sec:02d}s" if m else f"{sec}s"
+        since = f", started {time.strftime('%H:%M:%S', time.localtime(job.started))} ({took} ago)"
+    if running:
+        return f"run {job.run_id}: running on {running} of {len(states)} host(s){since}"
+    return f"run {job.run_id}: no verdict yet, and no host runs it{since}; `nodeops logs {job.run_id}` has its end"
+
+
 def teardown_summary(problems: dict[str, str]) -> str:
     """What a teardown achieved, from kill.sh's own confirmations (never assumed)."""
     bad = {h: why for h, why in problems.items() if why}
@@ -509,7 +523,9 @@ class SshBackend(Backend):
         if job.handle.get(RESTARTS) and states.get(job.chief, "").startswith("unreachable"):
             sink.note(f"the chief {job.chief} is unreachable: its supervisor makes the restarts, so this run "
                       "cannot recover (every other host stops its ranks within seconds of losing it)")  # fmt: skip
-        if verdict is not None:
+        if verdict is None:
+            sink.note(running_summary(job, states))
+        else:
             sink.note(f"run {job.run_id}: {store.describe(verdict)}")
             report_timeline(verdict, sink)
             if verdict.get("outcome") == "hung" and verdict.get("hang"):
