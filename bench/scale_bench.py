@@ -449,7 +449,7 @@ def main() -> int:
                     help="wheels of torch, numpy, py-spy and uv: the launch rows' shared env")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=SETUP_STEPS, help="setup steps not to run")
     ap.add_argument("--launch-runs", type=int, default=1, help="runs of launch and of pdsh each (lower median)")
-    ap.add_argument("--launch-max-nodes", type=int, default=32,
+    ap.add_argument("--launch-max-nodes", type=int, default=64,
                     help="launch rows only up to this many nodes (a node's torchrun and rank: ~130 MiB)")  # fmt: skip
     ap.add_argument("--chief-weight", default="1", type=chief_weight,
                     help="the launch rows with the chief's container weighing this many times every other "
