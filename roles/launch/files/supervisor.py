@@ -115,8 +115,8 @@ def host_kex(host: dict[str, Any]) -> list[str]:
 def kex_list(resolved: str) -> list[str]:
     """The key exchange list in what ``ssh -G`` printed; [] without one."""
     for line in resolved.splitlines():
-        key, _, value = line.partition(" ")
-        if key == "kexalgorithms":
+        key, sep, value = line.partition(" ")
+        if sep and key == "kexalgorithms":
             return value.strip().split(",")
     return []
 
