@@ -427,7 +427,7 @@ def take(run_dir: str, rank: int, pid: int, *, native: bool = False, method: str
 def here(run_dir: str, run_id: str, native: bool = False, method: str = "auto") -> list[dict[str, Any]]:
     """Every rank of the run on this host, its stack taken at once (one thread per rank)."""
     found = ranks(tagged_pids(run_id))
-    out: list[dict[str, Any]] = [{}] * len(found)
+    out: list[dict[str, Any]] = [{}] * len(found)  # each slot is replaced by its rank's dump, never updated
     raised: list[BaseException] = []
     at_once = threading.BoundedSemaphore(32)
 
