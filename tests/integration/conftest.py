@@ -176,7 +176,7 @@ def deepspeed_wheelhouse() -> Path:
     return DS_WHEELHOUSE
 
 
-def one_group_stacks(stacks: Callable[[], subprocess.CompletedProcess[str]], ranks: str, tries: int = 3) -> str:
+def one_group_stacks(stacks: Callable[[], subprocess.CompletedProcess[str]], ranks: str, tries: int = 5) -> str:
     """`nodeops stacks RUN` (human form, via ``stacks``) until it shows every rank (``ranks``,
     e.g. "0-2") in main of ddp_train.py as one group: the ranks spend ~all their time in the same
     sleep, but one caught outside it (in backward, say) is a second group. Returns the last stdout;

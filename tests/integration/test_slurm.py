@@ -458,6 +458,20 @@ def test_a_job_that_finished_then_crashed_in_teardown_exits_3(cluster: sandbox.S
     assert leftovers(cluster) == {}
 
 
+def completed_status(run_id: str, within: float = 60) -> subprocess.CompletedProcess[str]:
+    """`status` once Slurm has completed the job: a job whose batch script has ended and left its
+    result is "ended (exit N); Slurm is still completing it" while Slurm runs its epilog and
+    releases the nodes (seconds on a healthy cluster, more on a loaded machine)."""
+    deadline = time.monotonic() + within
+    st = nodeops("status", run_id)
+    while "still completing" in st.stdout and time.monotonic() < deadline:
+        assert st.returncode == 0 and re.search(r"^job \d+ +ended \(exit 0\); Slurm is still completing",
+                                                st.stdout, re.M), st.stdout + st.stderr  # fmt: skip
+        time.sleep(1)
+        st = nodeops("status", run_id)
+    return st
+
+
 def test_status_pending_running_completed_and_logs_follow(cluster: sandbox.Sandbox, project: Path) -> None:
     p = nodeops("launch", "--detach", str(project / "pending.yaml"), "--", "ddp_train.py", "--steps", "5")
     assert p.returncode == 0, p.stderr
@@ -475,7 +489,7 @@ def test_status_pending_running_completed_and_logs_follow(cluster: sandbox.Sandb
     f = nodeops("logs", run_id, "-f")  # a new process follows the job to its end
     assert f.returncode == 0, f.stdout[-2000:] + f.stderr[-2000:]
     assert len(HASH.findall(f.stdout)) == 4
-    st = nodeops("status", run_id)
+    st = completed_status(run_id)
     assert st.returncode == 0 and "COMPLETED" in st.stdout, st.stdout
     assert leftovers(cluster) == {}
 
@@ -622,7 +636,7 @@ def test_a_requeued_job_tells_its_ranks_the_restart_and_shows_each_attempt(
     assert re.search(r"attempt 1 on node\[1-3\]: exit [1-9]\d*, requeued", p.stderr), out
     assert "attempt 2 on node[1-3]: exit 0, not requeued" in p.stderr, out
     run_id = re.search(r"==> run (\S+): sbatch", p.stderr).group(1)  # type: ignore[union-attr]
-    st = nodeops("status", run_id)
+    st = completed_status(run_id)
     assert st.returncode == 0 and "COMPLETED" in st.stdout, st.stdout + st.stderr
     assert re.search(r"attempt 1 on node\[1-3\]: exit [1-9]\d*, requeued\n.*attempt 2 on node\[1-3\]: exit 0",
                      st.stdout), st.stdout  # fmt: skip

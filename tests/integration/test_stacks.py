@@ -84,6 +84,11 @@ def test_detached_hang_is_judged_on_the_chief_and_status_says_hung(
     assert no_leftovers_within(sandbox_cluster, 15) == CLEAN
 
 
+def in_main(frame: dict[str, object]) -> bool:
+    """The innermost frame is main of ddp_train.py (its sleep between steps)."""
+    return (frame["func"], Path(str(frame["file"])).name) == ("main", "ddp_train.py")
+
+
 def test_stacks_of_a_healthy_run_then_of_a_finished_one(
     sandbox_cluster: sandbox.Sandbox, project: Path, first_run: object
 ) -> None:
@@ -92,14 +97,17 @@ def test_stacks_of_a_healthy_run_then_of_a_finished_one(
         _wait_running(run_id)
         answers = {}
         for method in ("auto", "signal"):  # signal: the no-ptrace path, forced
-            for _ in range(3):  # ranks spend ~all their time in the same sleep: one group, nearly always
+            # The ranks spend ~all their time in the same sleep: one group there, nearly always. A
+            # look can catch them all in a step's backward instead (one group too, seen on a loaded
+            # machine), so it looks again until they are in the sleep.
+            for _ in range(5):
                 p = _cli("stacks", run_id, "--json", "--method", method)
                 assert p.returncode == 0, p.stderr
                 doc = json.loads(p.stdout)
                 assert sorted(int(r) for r in doc["methods"]) == [0, 1, 2], doc["methods"]
                 assert {m["host"] for m in doc["methods"].values()} == {"node1", "node2", "node3"}
                 assert len(doc["files"]) == 3 and all(Path(f).is_file() for f in doc["files"])
-                if len(doc["groups"]) == 1:
+                if len(doc["groups"]) == 1 and in_main(doc["groups"][0]["frames"][0]):
                     break
             assert len(doc["groups"]) == 1, doc["groups"]
             if method == "signal":
