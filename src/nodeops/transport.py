@@ -104,10 +104,13 @@ def fan_out(hosts: Sequence[K], fn: Callable[[K], T], width: int | None = None) 
         raise limit from e
 
 
-def ssh_argv(ssh_config: Path, host: str, *command: str) -> list[str]:
-    """ssh to a host through the cluster's generated ssh_config (strict host keys, multiplexed)."""
+def ssh_argv(ssh_config: Path, host: str, *command: str, connect_timeout: int | None = None) -> list[str]:
+    """ssh to a host through the cluster's generated ssh_config (strict host keys, multiplexed).
+    ``connect_timeout``: seconds for the connection and its handshake, instead of the usual 10
+    (ssh keeps an option's first value: this one comes before them)."""
+    first = ["-o", f"ConnectTimeout={connect_timeout}"] if connect_timeout is not None else []
     opts = [a for o in P.SSH_TIMEOUTS for a in ("-o", o)]
-    return ["ssh", "-F", str(ssh_config), *opts, host, *command]
+    return ["ssh", "-F", str(ssh_config), *first, *opts, host, *command]
 
 
 def last_line(text: str, default: str) -> str:

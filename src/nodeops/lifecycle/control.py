@@ -23,6 +23,10 @@ from nodeops.transport import ensure_fds
 LIVE = ("running", "starting")  # a run in these states may still have ranks somewhere
 STACKS_WAIT = 60.0  # seconds `stacks` waits for the ranks of a run that is starting (launch --detach)
 STACKS_POLL = 1.0
+# Seconds each chief has to answer when `stop` looks for the one live run: a run recorded here
+# whose chief is gone (a removed cluster) would otherwise cost ssh's usual 10 s. A chief that
+# does not answer in time is named, and its run is not counted.
+QUICK_CONNECT = 3
 
 
 def spec_key(target: str) -> str:
@@ -51,10 +55,21 @@ def live_conflict(live: Sequence[R.Run], of_spec: bool = False) -> str:
             f"{rows}\nfor example: nodeops stop {live[0].job.run_id}")  # fmt: skip
 
 
-def only_live(found: list[R.Run], of_spec: bool) -> R.Run | None:
-    """The one live run of ``found`` (asking each chief about runs without a verdict), None when
-    none is live; more than one is refused (a command that acts must not guess)."""
-    R.refresh(found)
+def unanswered(runs: Sequence[R.Run]) -> str:
+    """The note for runs whose chief did not answer: which, why, and that they were not counted."""
+    ids = ", ".join(r.job.run_id for r in runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+    return (f"not counted: {len(runs)} run(s) whose chief did not answer within {QUICK_CONNECT} s ({ids}; "
+            f"{runs[0].detail}); `nodeops runs` lists them; name one to stop it")  # fmt: skip
+
+
+def only_live(found: list[R.Run], of_spec: bool, sink: Sink) -> R.Run | None:
+    """The one live run of ``found`` (asking each chief about runs without a verdict, each with
+    QUICK_CONNECT seconds to answer), None when none is live; more than one is refused (a command
+    that acts must not guess). Runs whose chief did not answer are not counted, and said so."""
+    R.refresh(found, connect_timeout=QUICK_CONNECT)
+    lost = [r for r in found if r.state == "unreachable"]
+    if lost:
+        sink.note(unanswered(lost))
     live = [r for r in found if r.state in LIVE]
     if len(live) > 1:
         raise UsageError(live_conflict(live, of_spec))
@@ -74,7 +89,7 @@ def pick(target: str | None, sink: Sink, *, acts: bool = False) -> store.Job:
         if not found:
             raise store.RunIdError(f"no run was launched from {spec_key(target)} on this machine "
                                    "(`nodeops runs` lists the runs and their specs)")  # fmt: skip
-        live = only_live(found, of_spec=True) if acts else None
+        live = only_live(found, of_spec=True, sink=sink) if acts else None
         if live is not None:
             sink.note(f"run {live.job.run_id}: the live run launched from {live.job.spec}")
             return live.job
@@ -82,7 +97,7 @@ def pick(target: str | None, sink: Sink, *, acts: bool = False) -> store.Job:
         sink.note(f"run {job.run_id}: the latest launched from {job.spec}")
         return job
     if acts:
-        one = only_live(R.local_runs(), of_spec=False)
+        one = only_live(R.local_runs(), of_spec=False, sink=sink)
         if one is not None:
             job = one.job
             sink.note(f"run {job.run_id} ({job.spec or 'no spec recorded'}): the only live run here")

@@ -108,12 +108,13 @@ def local_runs() -> list[Run]:
     return out
 
 
-def refresh(runs: Sequence[Run]) -> None:
-    """Ask each chief about the runs with no verdict here, in parallel; keep what it says."""
+def refresh(runs: Sequence[Run], connect_timeout: int | None = None) -> None:
+    """Ask each chief about the runs with no verdict here, in parallel; keep what it says.
+    ``connect_timeout``: seconds each chief has to answer the connection (see ``run_state``)."""
     todo = [r for r in runs if r.state == "unknown"]
 
     def one(run: Run) -> None:
-        st = backends.for_job(run.job).run_state(run.job)
+        st = backends.for_job(run.job).run_state(run.job, connect_timeout)
         run.state, run.detail = st.state, st.detail
         if st.exit_code is not None:
             run.exit_code = st.exit_code

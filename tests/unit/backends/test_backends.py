@@ -98,7 +98,7 @@ class FakeBackend(Backend):
     def stop(self, job: store.Job, sink: Any) -> None:
         self.calls.append(("stop", job.run_id))
 
-    def run_state(self, job: store.Job) -> RunState:
+    def run_state(self, job: store.Job, connect_timeout: int | None = None) -> RunState:
         return RunState("failed" if self.exit_code else "ok", "in memory", self.exit_code, True)
 
 

@@ -1,12 +1,20 @@
-"""`nodeops status` over ssh: the summary line of a run without a verdict yet."""
+"""`nodeops status` over ssh: the summary line of a run without a verdict yet, and each host's
+state after a failure (the hosts the teardown stopped are not failures). Pure: the hosts' states
+and the verdict are given, nothing is connected."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import pytest
+
 from nodeops.backends import store
-from nodeops.backends.ssh.backend import running_summary
+from nodeops.backends.ssh import run as ssh_run
+from nodeops.backends.ssh.backend import SshBackend, running_summary, torn_down
+from nodeops.errors import ExitWith
+
+from .test_backends import Recorder
 
 
 def job(tmp: Path, started: float) -> store.Job:
@@ -27,3 +35,31 @@ def test_no_host_running_and_no_verdict_says_where_to_look(tmp_path: Path) -> No
     line = running_summary(job(tmp_path, 0.0), {"node1": "exited 1", "node2": "unreachable: ssh: timed out"})
     assert line == ("run 20261127-220000-ab12: no verdict yet, and no host runs it; "
                     "`nodeops logs 20261127-220000-ab12` has its end")  # fmt: skip
+
+
+FAILED = {"outcome": "failed", "first_failure": {"host": "node2", "code": 1, "why": "exited 1"},
+          "teardown_seconds": 0.9, "hosts": {"node1": {"ended": "killed"}, "node2": {"ended": "1"},
+                                             "node3": {"ended": "killed"}, "node4": {"ended": "1"}}}  # fmt: skip
+
+
+def test_the_teardown_s_victims_are_the_hosts_it_killed_after_another_host_s_failure() -> None:
+    assert torn_down(FAILED) == {"node1", "node3"}  # node4 exited 1 on its own: not the teardown's doing
+    assert torn_down({**FAILED, "outcome": "hung"}) == {"node1", "node3"}
+    assert torn_down({**FAILED, "outcome": "stopped", "first_failure": None}) == set()  # `stop`: said otherwise
+    assert torn_down({**FAILED, "first_failure": None}) == set()
+    assert torn_down(None) == set()
+
+
+def test_status_of_a_failed_run_names_only_the_failures_as_not_ok(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    states = {"node1": "killed", "node2": "exited 1", "node3": "killed", "node4": "exited 1"}
+    monkeypatch.setattr(ssh_run, "host_states", lambda j: states)
+    monkeypatch.setattr(ssh_run, "fetch_result", lambda *a, **k: FAILED)
+    sink = Recorder()
+    with pytest.raises(ExitWith) as e:
+        SshBackend().status(job(tmp_path, 0.0), sink)
+    assert [ev[1] for ev in sink.events if ev[0] == "out"] == [
+        "node1        stopped by the teardown (killed)", "node2        exited 1",
+        "node3        stopped by the teardown (killed)", "node4        exited 1"]  # fmt: skip
+    assert str(e.value) == "run 20261127-220000-ab12: not ok on node2, node4"

@@ -31,8 +31,12 @@ class States(FakeBackend):
         self.states: dict[str, str] = {}
         self.ranks_after = 10**9
         self.asked = 0
+        self.connect_timeouts: list[int | None] = []
 
-    def run_state(self, job: store.Job) -> RunState:
+    def run_state(self, job: store.Job, connect_timeout: int | None = None) -> RunState:
+        self.connect_timeouts.append(connect_timeout)
+        if self.states.get(job.run_id) == "unreachable":
+            return RunState("unreachable", "node1: ssh: connect to host 10.9.0.11 port 22: Connection timed out")
         return RunState(self.states.get(job.run_id, "ok"), "as the test says")
 
     def stacks(self, job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
@@ -92,6 +96,23 @@ def test_plain_stop_acts_on_the_one_live_run_even_when_a_later_one_ended(
     control.stop(None, sink)
     assert fake.calls == [("stop", ids[1])]
     assert sink.events[0] == ("note", f"run {ids[1]} ({b.resolve()}): the only live run here")
+
+
+def test_plain_stop_gives_each_chief_a_short_connect_and_names_the_runs_whose_chief_did_not_answer(
+    fake: States, two_clusters: tuple[Path, Path, list[str]]
+) -> None:
+    # a run recorded here whose cluster is gone would cost ssh's usual 10 s connect timeout
+    _, b, ids = two_clusters
+    fake.states = {ids[0]: "unreachable", ids[1]: "running", ids[2]: "unreachable"}
+    sink = Recorder()
+    control.stop(None, sink)
+    assert fake.connect_timeouts == [control.QUICK_CONNECT] * 3
+    assert fake.calls == [("stop", ids[1])]
+    assert sink.events[0] == ("note", f"not counted: 2 run(s) whose chief did not answer within "
+                                      f"{control.QUICK_CONNECT} s ({ids[2]}, {ids[0]}; node1: ssh: connect to host "
+                                      "10.9.0.11 port 22: Connection timed out); `nodeops runs` lists them; "
+                                      "name one to stop it")  # fmt: skip
+    assert sink.events[1] == ("note", f"run {ids[1]} ({b.resolve()}): the only live run here")
 
 
 def test_a_spec_names_its_latest_run(fake: States, two_clusters: tuple[Path, Path, list[str]]) -> None:

@@ -66,8 +66,8 @@ def last_state_of(job: store.Job) -> str:
     return job.handle.get("state", "")
 
 
-def login_for(job: store.Job) -> slurm.Login:
-    return slurm.Login(job.handle.get("login") or None, job.ssh_config)
+def login_for(job: store.Job, connect_timeout: int | None = None) -> slurm.Login:
+    return slurm.Login(job.handle.get("login") or None, job.ssh_config, connect_timeout)
 
 
 def remember(job: store.Job, st: slurm.Poll) -> None:
@@ -725,10 +725,10 @@ class SlurmBackend(Backend):
     def stacks(self, job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
         return take_stacks(job, native, method)
 
-    def run_state(self, job: store.Job) -> RunState:
+    def run_state(self, job: store.Job, connect_timeout: int | None = None) -> RunState:
         """A Slurm run's state from squeue/scontrol on its login node (or the last one seen there)."""
         try:
-            st = slurm.poll(login_for(job), job.run_id, slurm_id(job), {}, max_bytes=0)
+            st = slurm.poll(login_for(job, connect_timeout), job.run_id, slurm_id(job), {}, max_bytes=0)
         except slurm.SlurmError as e:
             return RunState("unreachable", str(e))
         if st.error:

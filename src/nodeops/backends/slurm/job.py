@@ -213,10 +213,13 @@ class Login:
 
     host: str | None
     ssh_config: Path | None = None
+    connect_timeout: int | None = None  # seconds for ssh's connection, instead of its usual 10
 
     def run(self, script: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """``bash -s`` with ``script`` on stdin (nothing of it on a command line)."""
-        argv = ["bash", "-s"] if self.host is None else ssh_argv(self.ssh_config or Path(), self.host, "bash", "-s")
+        argv = ["bash", "-s"]
+        if self.host is not None:
+            argv = ssh_argv(self.ssh_config or Path(), self.host, *argv, connect_timeout=self.connect_timeout)
         try:
             # its own session: a Ctrl-C at the terminal reaches nodeops, which decides (ssh is
             # then ended by subprocess, or left to finish a submission)

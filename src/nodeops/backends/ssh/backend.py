@@ -474,6 +474,16 @@ def in_home(script: str) -> str:
     return 'cd "$HOME" || exit 1\n' + script
 
 
+def torn_down(verdict: dict[str, Any] | None) -> set[str]:
+    """The hosts whose ranks the supervisor killed because of another host's failure or hang (the
+    teardown): victims, not failures. Their guard said "killed" (only a stop it was sent)."""
+    v = verdict or {}
+    culprit = (v.get("first_failure") or {}).get("host") if v.get("outcome") in ("failed", "hung") else None
+    if not culprit or not isinstance(v.get("hosts"), dict):
+        return set()
+    return {h for h, r in v["hosts"].items() if h != culprit and isinstance(r, dict) and r.get("ended") == "killed"}
+
+
 def ended_by_stop(state: str) -> bool:
     """A host state that a stop on request leaves (its ranks killed, or exited on the signal);
     a job that had finished (exited 0), processes still alive, or an unreachable host are not."""
@@ -511,9 +521,12 @@ class SshBackend(Backend):
         excluded = {h for a in (attempts or {}).get("attempts") or [] for h in a.get("excluded") or []}
         verdict = ssh_run.fetch_result(job.ssh_config, job.chief, job.run_id, wait=0)
         stopped = (verdict or {}).get("outcome") == "stopped"
+        victims = {h for h in torn_down(verdict) if states.get(h) == "killed"}
         for host, state in states.items():
             if stopped and ended_by_stop(state):  # what `nodeops stop` did, not a failure of the host
                 state = f"stopped ({state})"
+            elif host in victims:  # what the teardown did after another host's failure
+                state = f"stopped by the teardown ({state})"
             sink.out(f"{host:12} {state}" + ("  (excluded by a restart)" if host in excluded else ""))
         if attempts:
             for a in attempts.get("attempts") or []:
@@ -534,7 +547,7 @@ class SshBackend(Backend):
                 report_flight(job, sink)
         fine = [h for h, st in states.items()
                 if st.startswith(("running", "spare (not used)")) or st in ("exited 0", "idle")
-                or (stopped and ended_by_stop(st))]  # fmt: skip
+                or (stopped and ended_by_stop(st)) or h in victims]  # fmt: skip
         bad = [h for h in states if h not in fine and h not in excluded]
         if bad:
             raise ExitWith(EXIT_FAILURE, f"run {job.run_id}: not ok on {', '.join(bad)}")
@@ -613,13 +626,14 @@ class SshBackend(Backend):
     def stacks(self, job: store.Job, native: bool, method: str) -> tuple[list[dict[str, Any]], dict[str, str]]:
         return ssh_run.take_stacks(job, native, method)
 
-    def run_state(self, job: store.Job) -> RunState:
+    def run_state(self, job: store.Job, connect_timeout: int | None = None) -> RunState:
         script = _PROBE.replace("@ID@", sh_word(store.check_run_id(job.run_id))).replace(
             "@DIR@", sh_word(store.remote_dir(job.run_id))
         )
         try:
-            p = subprocess.run(transport.ssh_argv(job.ssh_config, job.chief, "bash", "-c", sh_word(in_home(script))),
-                               capture_output=True, text=True, timeout=30, check=False)  # fmt: skip
+            argv = transport.ssh_argv(job.ssh_config, job.chief, "bash", "-c", sh_word(in_home(script)),
+                                      connect_timeout=connect_timeout)  # fmt: skip
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
         except subprocess.TimeoutExpired:
             return RunState("unreachable", f"{job.chief}: ssh timed out")
         if p.returncode != 0:
