@@ -436,6 +436,36 @@ def run_n(n: int, work: Path, wheels: Path, env_dir: Path | None, args: argparse
         sandbox.down(args.name)
 
 
+def machine_reference(env_dir: Path | None) -> dict[str, float]:
+    """How fast this machine is today, so figures from different days compare: the CPU seconds of
+    `import torch` in the shared env (the nodes' Python; best of 3) and the wall seconds of 200
+    fork+exec+exit of /bin/true (the kernel's share: process start and end). The same machine
+    was seen ~2x apart between sessions (48% of the CPU in the kernel on the slow days)."""
+    out: dict[str, float] = {}
+    python = env_dir / "env" / "bin" / "python" if env_dir is not None else None
+    if python is not None and python.exists():
+        best = float("inf")
+        for _ in range(3):
+            r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            if subprocess.run([str(python), "-c", "import torch"], capture_output=True, check=False).returncode != 0:
+                break
+            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            best = min(best, r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+        if best != float("inf"):
+            out["import_torch_cpu_s"] = round(best, 3)
+    t0 = time.monotonic()
+    for _ in range(200):
+        subprocess.run(["/bin/true"], check=False)
+    out["fork_exec_200_s"] = round(time.monotonic() - t0, 3)
+    return out
+
+
+def reference_line(ref: dict[str, float]) -> str:
+    torch_s = ref.get("import_torch_cpu_s")
+    return ("this machine today: " + (f"`import torch` {torch_s:.2f} CPU s, " if torch_s is not None else "")
+            + f"200 fork+exec+exit {ref['fork_exec_200_s']:.2f} s")  # fmt: skip
+
+
 def chief_weight(v: str) -> str:
     if v == "n" or (v.isdigit() and int(v) > 0):
         return v
@@ -469,6 +499,8 @@ def main() -> int:
                        check=False)  # fmt: skip
     else:
         say(f"no torch-2.13.0 and uv wheels in {args.torch_wheelhouse}: the launch rows are not run")
+    ref = machine_reference(env_dir)
+    say(reference_line(ref))
     results: dict[int, dict[str, Step | None]] = {}
     with tempfile.TemporaryDirectory(prefix="nodeops-scale-") as tmp:
         work = Path(tmp)
@@ -479,8 +511,10 @@ def main() -> int:
     if args.json_out:
         doc = {n: {k: (None if v is None else {**dataclasses.asdict(v), "stdout": "", "stderr": ""})
                    for k, v in r.items()} for n, r in results.items()}  # fmt: skip
-        args.json_out.write_text(json.dumps({"chief_weight": args.chief_weight, "results": doc}, indent=1))
+        args.json_out.write_text(json.dumps({"chief_weight": args.chief_weight, "machine": ref, "results": doc},
+                                            indent=1))  # fmt: skip
     print_times(results)
+    print(reference_line(ref))
     print_costs(results)
     if args.chief_weight != "1":
         print(
