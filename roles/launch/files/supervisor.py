@@ -208,8 +208,10 @@ def read_events(link: Link, events: queue.SimpleQueue[tuple[Link | None, str | N
 
 
 def host_result(lk: Link) -> dict[str, Any]:
+    """A host's end in the verdict; ``sent_stop``: this supervisor told it to stop (a "killed"
+    host without it was stopped by someone else)."""
     return {"ended": lk.ended, "left": lk.left, "lost": lk.lost if lk.ended == "lost" else "",
-            **({"step": lk.step} if lk.step is not None else {})}  # fmt: skip
+            "sent_stop": lk.sent_stop, **({"step": lk.step} if lk.step is not None else {})}  # fmt: skip
 
 
 def take_asks(asks: dict[str, dict[str, Any]], links: list[Link], gone: set[str]) -> None:

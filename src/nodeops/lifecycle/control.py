@@ -23,9 +23,9 @@ from nodeops.transport import ensure_fds
 LIVE = ("running", "starting")  # a run in these states may still have ranks somewhere
 STACKS_WAIT = 60.0  # seconds `stacks` waits for the ranks of a run that is starting (launch --detach)
 STACKS_POLL = 1.0
-# Seconds each chief has to answer when `stop` looks for the one live run: a run recorded here
-# whose chief is gone (a removed cluster) would otherwise cost ssh's usual 10 s. A chief that
-# does not answer in time is named, and its run is not counted.
+# Seconds ssh gets to connect to each run's chief (or Slurm login node) when `stop` looks for the
+# one live run: a run recorded here whose cluster is gone would otherwise cost nodeops' usual
+# 10 s. A run that could not be asked is named, and not counted.
 QUICK_CONNECT = 3
 
 
@@ -55,24 +55,28 @@ def live_conflict(live: Sequence[R.Run], of_spec: bool = False) -> str:
             f"{rows}\nfor example: nodeops stop {live[0].job.run_id}")  # fmt: skip
 
 
-def unanswered(runs: Sequence[R.Run]) -> str:
-    """The note for runs whose chief did not answer: which, why, and that they were not counted."""
-    ids = ", ".join(r.job.run_id for r in runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
-    return (f"not counted: {len(runs)} run(s) whose chief did not answer within {QUICK_CONNECT} s ({ids}; "
-            f"{runs[0].detail}); `nodeops runs` lists them; name one to stop it")  # fmt: skip
+def unasked(runs: Sequence[R.Run]) -> str:
+    """The runs that could not be asked, each with why (the first 3, then how many more)."""
+    each = "; ".join(f"{r.job.run_id} ({r.detail})" for r in runs[:3])
+    return (f"{len(runs)} run(s) could not be asked (ssh gets {QUICK_CONNECT} s to connect to a run's chief or "
+            f"Slurm login node): {each}" + (f"; and {len(runs) - 3} more" if len(runs) > 3 else ""))  # fmt: skip
 
 
 def only_live(found: list[R.Run], of_spec: bool, sink: Sink) -> R.Run | None:
-    """The one live run of ``found`` (asking each chief about runs without a verdict, each with
-    QUICK_CONNECT seconds to answer), None when none is live; more than one is refused (a command
-    that acts must not guess). Runs whose chief did not answer are not counted, and said so."""
+    """The one live run of ``found`` (asking each chief about runs without a verdict; ssh gets
+    QUICK_CONNECT seconds to connect), None when none is live; more than one is refused (a
+    command that acts must not guess). Runs that could not be asked are named: beside a live run
+    they are not counted; with no live run, `stop` refuses (one of them may be live)."""
     R.refresh(found, connect_timeout=QUICK_CONNECT)
-    lost = [r for r in found if r.state == "unreachable"]
-    if lost:
-        sink.note(unanswered(lost))
+    unknown = [r for r in found if r.state == "unreachable"]
     live = [r for r in found if r.state in LIVE]
     if len(live) > 1:
         raise UsageError(live_conflict(live, of_spec))
+    if unknown and not live:
+        raise UsageError(f"no run here answered as live, and {unasked(unknown)}; name the run to stop "
+                         f"(for example: nodeops stop {unknown[0].job.run_id}); `nodeops runs` lists them")  # fmt: skip
+    if unknown:
+        sink.note(f"not counted: {unasked(unknown)}; `nodeops runs` lists them; name one to stop it")
     return live[0] if live else None
 
 

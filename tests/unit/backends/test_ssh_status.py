@@ -37,14 +37,19 @@ def test_no_host_running_and_no_verdict_says_where_to_look(tmp_path: Path) -> No
                     "`nodeops logs 20261127-220000-ab12` has its end")  # fmt: skip
 
 
+KILLED = {"ended": "killed", "sent_stop": True}
 FAILED = {"outcome": "failed", "first_failure": {"host": "node2", "code": 1, "why": "exited 1"},
-          "teardown_seconds": 0.9, "hosts": {"node1": {"ended": "killed"}, "node2": {"ended": "1"},
-                                             "node3": {"ended": "killed"}, "node4": {"ended": "1"}}}  # fmt: skip
+          "teardown_seconds": 0.9, "hosts": {"node1": KILLED, "node2": {"ended": "1", "sent_stop": True},
+                                             "node3": KILLED, "node4": {"ended": "1", "sent_stop": True},
+                                             "node5": {"ended": "killed", "sent_stop": False}}}  # fmt: skip
 
 
 def test_the_teardown_s_victims_are_the_hosts_it_killed_after_another_host_s_failure() -> None:
-    assert torn_down(FAILED) == {"node1", "node3"}  # node4 exited 1 on its own: not the teardown's doing
-    assert torn_down({**FAILED, "outcome": "hung"}) == {"node1", "node3"}
+    # node4 exited 1 on its own, node5 was killed by someone else: not the teardown's doing
+    assert torn_down(FAILED) == {"node1", "node3"}
+    old = {**FAILED, "hosts": {h: {"ended": r["ended"]} for h, r in FAILED["hosts"].items()}}  # type: ignore[attr-defined]
+    assert torn_down(old) == set()  # a verdict from before sent_stop was recorded: every host as before
+    assert torn_down({**FAILED, "outcome": "hung"}) == set()  # the watchdog stopped every rank
     assert torn_down({**FAILED, "outcome": "stopped", "first_failure": None}) == set()  # `stop`: said otherwise
     assert torn_down({**FAILED, "first_failure": None}) == set()
     assert torn_down(None) == set()
@@ -53,7 +58,7 @@ def test_the_teardown_s_victims_are_the_hosts_it_killed_after_another_host_s_fai
 def test_status_of_a_failed_run_names_only_the_failures_as_not_ok(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    states = {"node1": "killed", "node2": "exited 1", "node3": "killed", "node4": "exited 1"}
+    states = {"node1": "killed", "node2": "exited 1", "node3": "killed", "node4": "exited 1", "node5": "killed"}
     monkeypatch.setattr(ssh_run, "host_states", lambda j: states)
     monkeypatch.setattr(ssh_run, "fetch_result", lambda *a, **k: FAILED)
     sink = Recorder()
@@ -61,5 +66,5 @@ def test_status_of_a_failed_run_names_only_the_failures_as_not_ok(
         SshBackend().status(job(tmp_path, 0.0), sink)
     assert [ev[1] for ev in sink.events if ev[0] == "out"] == [
         "node1        stopped by the teardown (killed)", "node2        exited 1",
-        "node3        stopped by the teardown (killed)", "node4        exited 1"]  # fmt: skip
-    assert str(e.value) == "run 20261127-220000-ab12: not ok on node2, node4"
+        "node3        stopped by the teardown (killed)", "node4        exited 1", "node5        killed"]  # fmt: skip
+    assert str(e.value) == "run 20261127-220000-ab12: not ok on node2, node4, node5"

@@ -108,11 +108,26 @@ def test_plain_stop_gives_each_chief_a_short_connect_and_names_the_runs_whose_ch
     control.stop(None, sink)
     assert fake.connect_timeouts == [control.QUICK_CONNECT] * 3
     assert fake.calls == [("stop", ids[1])]
-    assert sink.events[0] == ("note", f"not counted: 2 run(s) whose chief did not answer within "
-                                      f"{control.QUICK_CONNECT} s ({ids[2]}, {ids[0]}; node1: ssh: connect to host "
-                                      "10.9.0.11 port 22: Connection timed out); `nodeops runs` lists them; "
-                                      "name one to stop it")  # fmt: skip
+    why = "node1: ssh: connect to host 10.9.0.11 port 22: Connection timed out"
+    assert sink.events[0] == ("note", f"not counted: 2 run(s) could not be asked (ssh gets {control.QUICK_CONNECT} "
+                                      f"s to connect to a run's chief or Slurm login node): {ids[2]} ({why}); "
+                                      f"{ids[0]} ({why}); `nodeops runs` lists them; name one to stop it")  # fmt: skip
     assert sink.events[1] == ("note", f"run {ids[1]} ({b.resolve()}): the only live run here")
+
+
+def test_plain_stop_with_no_live_run_but_runs_it_could_not_ask_refuses_and_stops_nothing(
+    fake: States, two_clusters: tuple[Path, Path, list[str]]
+) -> None:
+    """One of them may be the live run (a slow chief): `stop` must not fall back to the latest."""
+    _, _, ids = two_clusters
+    fake.states = {ids[1]: "unreachable"}  # the others ended
+    with pytest.raises(UsageError) as e:
+        control.stop(None, Recorder())
+    msg = str(e.value)
+    assert msg.startswith("no run here answered as live, and 1 run(s) could not be asked"), msg
+    assert f"{ids[1]} (node1: ssh: connect" in msg and f"nodeops stop {ids[1]}" in msg, msg
+    assert e.value.exit_code == 2
+    assert fake.calls == []  # nothing was stopped
 
 
 def test_a_spec_names_its_latest_run(fake: States, two_clusters: tuple[Path, Path, list[str]]) -> None:

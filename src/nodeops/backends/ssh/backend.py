@@ -475,13 +475,19 @@ def in_home(script: str) -> str:
 
 
 def torn_down(verdict: dict[str, Any] | None) -> set[str]:
-    """The hosts whose ranks the supervisor killed because of another host's failure or hang (the
-    teardown): victims, not failures. Their guard said "killed" (only a stop it was sent)."""
+    """The hosts whose ranks the supervisor killed because another host failed (the teardown):
+    victims, not failures. Each ended "killed" after the supervisor sent it its stop (a verdict
+    from before ``sent_stop`` was recorded names none). A hang's hosts are not: the watchdog
+    stops every rank, and its suspect may be only a guess."""
     v = verdict or {}
-    culprit = (v.get("first_failure") or {}).get("host") if v.get("outcome") in ("failed", "hung") else None
+    culprit = (v.get("first_failure") or {}).get("host") if v.get("outcome") == "failed" else None
     if not culprit or not isinstance(v.get("hosts"), dict):
         return set()
-    return {h for h, r in v["hosts"].items() if h != culprit and isinstance(r, dict) and r.get("ended") == "killed"}
+    return {
+        h
+        for h, r in v["hosts"].items()
+        if h != culprit and isinstance(r, dict) and r.get("ended") == "killed" and r.get("sent_stop") is True
+    }
 
 
 def ended_by_stop(state: str) -> bool:
