@@ -206,8 +206,9 @@ def runs(
     hosts, start time, goodput (the share of its wall time in which training ran) and spec.
 
     A run's state comes from its supervisor's verdict (ok, failed, stopped), kept here once known;
-    for the others one ssh to each run's chief says whether it still runs. `gone`: the chief has
-    no trace of it; `unreachable`: its chief did not answer.
+    for the others one ssh to each run's chief says whether it still runs (ssh gets 3 s to
+    connect: a record of a cluster that is gone costs no more). `gone`: the chief has no trace of
+    it; `unreachable`: its chief could not be asked.
     """
 
     with errors():
@@ -218,7 +219,7 @@ def runs(
         if spec is not None:
             found = control.runs_of_spec(found, spec)
         if not local:
-            R.refresh(found)
+            R.refresh(found, connect_timeout=control.QUICK_CONNECT)
         if state:
             found = [r for r in found if r.state in state]
         if as_json:
