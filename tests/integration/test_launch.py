@@ -182,6 +182,12 @@ def test_sigint_stops_every_rank(sandbox_cluster: sandbox.Sandbox, project: Path
     assert no_leftovers_within(sandbox_cluster, 5) == CLEAN
     run_id = re.search(r"==> run (\S+):", err).group(1)  # type: ignore[union-attr]
     assert controller_leftovers(run_id) == []
+    # the supervisor's verdict confirmed every host clean, so the launch ran no kill round of its
+    # own (kill.sh's kill is logged in agent.log with this reason)
+    logs = {n.name: ssh(sandbox_cluster, n.name, f"cat .nodeops/runs/{run_id}/agent.log").stdout
+            for n in sandbox_cluster.nodes}  # fmt: skip
+    assert all("kill (stop requested by the supervisor)" in t for t in logs.values()), logs
+    assert not any("kill (nodeops stop/teardown)" in t for t in logs.values()), logs
 
 
 def test_arguments_reach_the_script_literally(project: Path, first_run: object) -> None:

@@ -356,6 +356,9 @@ def fetch_result(ssh_config: Path, chief: str, run_id: str, wait: float = P.RESU
         time.sleep(0.5)
 
 
+STOPPED_WAIT = 10.0  # how long an interrupted launch waits for the stopped verdict before its own kill round
+
+
 def verdict_or_stop(ssh_config: Path, chief: str, run_id: str,
                     wait: float = 0.0) -> tuple[dict[str, Any] | None, bool, dict[str, Any] | None]:  # fmt: skip
     """One ssh to the chief: the run's result.json when it has one (the run had ended), else the
@@ -503,6 +506,7 @@ def follow(
         threading.Thread(target=reader, args=(h,), daemon=True).start()
     interrupted = False
     teardown_result: dict[str, str] = {}
+    early: dict[str, Any] | None = None  # an interrupted launch's verdict, read before its kill round
     done: set[str] = set()
     fold = LiveFold()  # fold_after_failure: what the live stream keeps back while the run fails
     previous = signal.getsignal(signal.SIGTERM)
@@ -562,13 +566,18 @@ def follow(
         interrupted = True
         if stop_on_interrupt:
             # The supervisor stops every host (its guards' connections are already open); then
-            # kill on every host confirms that nothing is left, and does the job itself when the
-            # chief could not be asked or nothing ended within 20 s.
+            # kill on every host its verdict does not confirm clean (as `nodeops stop` does)
+            # confirms that nothing is left, and does the job itself when the chief could not be
+            # asked or nothing ended within 20 s.
             # A second Ctrl-C must not cut the teardown short: ignore SIGINT/SIGTERM meanwhile.
             with ignoring_interrupts():
                 asked = request_stop(ssh_config, chief, run_id)
                 pump(until=time.monotonic() + (20 if asked else 0))
-                teardown_result = teardown(ssh_config, kill_hosts, run_id)
+                early = fetch_result(ssh_config, chief, run_id, wait=STOPPED_WAIT) if asked else None
+                confirmed = (confirmed_stopped(early) if early is not None and early.get("outcome") == "stopped"
+                             and early.get("stop_confirmed") is True else {})  # fmt: skip
+                rest = [h for h in kill_hosts if h not in confirmed]
+                teardown_result = {h: "" for h in confirmed} | (teardown(ssh_config, rest, run_id) if rest else {})
         for p in procs.values():
             p.terminate()
             try:
@@ -587,7 +596,7 @@ def follow(
             mine = [a for a in nxt.get("attempts") or [] if a.get("attempt") == attempt]
             result = dict((mine[0].get("result") or {}) if mine else {})
     else:
-        result = fetch_result(ssh_config, chief, run_id)
+        result = early if early is not None else fetch_result(ssh_config, chief, run_id)
     root: HostState | None = None
     stopped = (result or {}).get("outcome") == "stopped"
     hang = (result or {}).get("hang") if (result or {}).get("outcome") == "hung" else None
