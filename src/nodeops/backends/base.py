@@ -197,4 +197,4 @@ class Backend(abc.ABC):
     def run_state(self, job: Job, connect_timeout: int | None = None) -> RunState:
         """The run's state for `nodeops runs`/`clean`/`stop` (one look; never raises for a host).
         ``connect_timeout``: seconds to wait for the connection to the run's host (its chief, its
-        login node), instead of ssh's usual 10; a host that does not answer is "unreachable"."""
+        login node), instead of nodeops' usual 10; a host that does not answer is "unreachable"."""

@@ -11,7 +11,7 @@ from nodeops.backends.ssh import run as ssh_run
 
 
 def verdict(**hosts: dict[str, object]) -> dict[str, object]:
-    return {"outcome": "stopped", "hosts": hosts}
+    return {"outcome": "stopped", "stop_confirmed": True, "hosts": hosts}
 
 
 def test_only_hosts_whose_guard_confirmed_nothing_left_skip_the_kill_round() -> None:
@@ -26,6 +26,11 @@ def test_only_hosts_whose_guard_confirmed_nothing_left_skip_the_kill_round() -> 
     ))  # fmt: skip
     assert got == {"node1": "killed", "node2": "exited 0"}
     assert ssh_run.confirmed_stopped({"outcome": "stopped"}) == {}
+    # only the supervisor's own stop confirms: not a carried-over verdict, a failure, or none
+    one = {"node1": {"ended": "killed", "left": 0, "lost": ""}}
+    assert ssh_run.confirmed_stopped({"outcome": "stopped", "stop_confirmed": False, "hosts": one}) == {}
+    assert ssh_run.confirmed_stopped({"outcome": "failed", "stop_confirmed": True, "hosts": one}) == {}
+    assert ssh_run.confirmed_stopped(None) == {}
 
 
 def test_the_chief_side_wait_looks_once_without_sleeping_then_prints_the_file_once_it_is_there(tmp_path: Path) -> None:

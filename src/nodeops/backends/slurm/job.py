@@ -213,7 +213,7 @@ class Login:
 
     host: str | None
     ssh_config: Path | None = None
-    connect_timeout: int | None = None  # seconds for ssh's connection, instead of its usual 10
+    connect_timeout: int | None = None  # seconds for ssh's connection, instead of nodeops' usual 10
 
     def run(self, script: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
         """``bash -s`` with ``script`` on stdin (nothing of it on a command line)."""

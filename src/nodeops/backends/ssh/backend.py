@@ -583,17 +583,10 @@ class SshBackend(Backend):
         # attempts (a preflight, a start): its verdict says when it stopped everything, and only
         # then is the kill below final. The ask and the wait for the verdict are one ssh session.
         wait = 15 + (60 if job.handle.get(RESTARTS) else 0)
-        ended, asked, verdict = ssh_run.verdict_or_stop(job.ssh_config, job.chief, job.run_id, wait=wait)
-        confirmed: dict[str, str] = {}
+        ended, _asked, verdict = ssh_run.verdict_or_stop(job.ssh_config, job.chief, job.run_id, wait=wait)
         if ended is not None:
             sink.note(f"run {job.run_id} had already ended ({store.describe(ended)}); confirming nothing is left")
-        elif (
-            asked
-            and verdict is not None
-            and verdict.get("outcome") == "stopped"
-            and verdict.get("stop_confirmed") is True
-        ):
-            confirmed = ssh_run.confirmed_stopped(verdict)
+        confirmed = ssh_run.confirmed_stopped(verdict)  # verdict: None unless asked here
         rest = [h for h in job.kill_hosts if h not in confirmed]
         stopped = ssh_run.stop_hosts(job.ssh_config, rest, job.run_id) if rest else {}
         problems = {h: why for h, (why, _) in stopped.items() if why}

@@ -391,11 +391,15 @@ def verdict_or_stop(ssh_config: Path, chief: str, run_id: str,
     return None, True, doc
 
 
-def confirmed_stopped(result: dict[str, Any]) -> dict[str, str]:
+def confirmed_stopped(result: dict[str, Any] | None) -> dict[str, str]:
     """The hosts whose guard confirmed, in the supervisor's result, that it stopped the run there
     and nothing of it was left (the agent's own kill, the one kill.sh runs): host -> its state
-    as ``agent.py status`` words it. Lost hosts, and hosts the stop did not reach, are not."""
+    as ``agent.py status`` words it. Lost hosts, and hosts the stop did not reach, are not; nor
+    is any host unless the result is the supervisor's own stop (outcome stopped, stop_confirmed:
+    a verdict carried over between two attempts has not that)."""
     out: dict[str, str] = {}
+    if not result or result.get("outcome") != "stopped" or result.get("stop_confirmed") is not True:
+        return out
     for host, h in (result.get("hosts") or {}).items():
         if not isinstance(h, dict):
             continue
@@ -574,8 +578,7 @@ def follow(
                 asked = request_stop(ssh_config, chief, run_id)
                 pump(until=time.monotonic() + (20 if asked else 0))
                 early = fetch_result(ssh_config, chief, run_id, wait=STOPPED_WAIT) if asked else None
-                confirmed = (confirmed_stopped(early) if early is not None and early.get("outcome") == "stopped"
-                             and early.get("stop_confirmed") is True else {})  # fmt: skip
+                confirmed = confirmed_stopped(early)
                 rest = [h for h in kill_hosts if h not in confirmed]
                 teardown_result = {h: "" for h in confirmed} | (teardown(ssh_config, rest, run_id) if rest else {})
         for p in procs.values():
