@@ -83,6 +83,13 @@ def read(name: str) -> str | None:
         return None
 
 
+def touch(name: str) -> None:
+    try:
+        os.utime(path(name))
+    except FileNotFoundError:
+        open(path(name), "a").close()
+
+
 def write_atomic(name: str, text: str) -> None:
     tmp = path(name + ".tmp")
     with open(tmp, "w") as f:
@@ -99,11 +106,13 @@ def log(msg: str) -> None:
 # The agent and the guard live on every host for the whole run, so they wait for what they
 # watch instead of looking every POLL: the job's or the agent's end (a pidfd), a signal (a
 # wakeup pipe), the supervisor's lines (stdin), host.log's growth (inotify). They still look
-# every IDLE (a heartbeat's staleness, the progress file). Where the kernel gives no pidfd
-# (Linux < 5.3, Python < 3.9) or no inotify, they look every POLL, as they all did before: at
-# 64 sandbox nodes those looks cost the nodes ~2.5 ms of CPU a second each (docs/design.md).
+# every IDLE (a heartbeat's staleness, the progress file), as often as the heartbeats come. Where
+# the kernel gives no pidfd (Linux < 5.3, Python < 3.9) or no inotify, they look every POLL, as
+# they all did before: at 64 sandbox nodes those looks cost the nodes ~2.5 ms of CPU a second
+# each (docs/design.md).
 POLL = 0.2
-IDLE = 1.0
+IDLE = P.HEARTBEAT_EVERY
+PROGRESS_LOOK = 1.0  # the guard, once the script touched its progress file: a look at it this often
 IN_MODIFY = 0x2  # <sys/inotify.h>
 
 
@@ -385,6 +394,13 @@ class Progress:
         self.said, self.pending = time.monotonic(), False
         return True
 
+    def next_look(self) -> float:
+        """How soon to look again: a word held back is said once its second is over, and the
+        progress file, once the script touched it, is looked at every PROGRESS_LOOK."""
+        if self.pending:
+            return max(0.0, self.said + 1.0 - time.monotonic())
+        return PROGRESS_LOOK if self.seen[1] else IDLE
+
 
 class LogScan:
     """Reads host.log as it grows, line by line, without a tail or grep process."""
@@ -471,6 +487,7 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
     growth = Growth(path(P.LOG)) if has_job and (agent_final or pdsh or watch_progress) else None
     agent_end: int | None = None  # the host agent's pidfd: -1 where none is to be had, or once it fired
     looked = 0.0
+    read_with: int | None = None  # the log's inotify descriptor when the log was last read
     while True:
         fds, wait = [0], IDLE
         if has_job:
@@ -485,10 +502,16 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             fds.append(log_fd)
         elif growth is not None:
             wait = POLL
+        if progress is not None:
+            wait = min(wait, progress.next_look())
         if heard and time.monotonic() - last_beat > 2 * P.HEARTBEAT_EVERY:
             wait = POLL  # a heartbeat is late: P.late() excuses a frozen host's time best in short waits
         asked = time.monotonic()
         ready = select.select(fds, [], [], wait)[0]
+        grew = log_fd is not None and log_fd in ready
+        # inotify has watched the log since it was last read, and it did not grow: nothing to read
+        unchanged = log_fd is not None and log_fd == read_with and not grew
+        read_with = log_fd
         if ready == [log_fd] and (rest := looked + POLL - time.monotonic()) > 0:  # at most one look a POLL for the log
             ready = select.select([f for f in fds if f != log_fd], [], [], rest)[0] or ready
         last_beat += P.late(wait, asked, time.monotonic())  # this host was not running: no one's silence
@@ -496,10 +519,10 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             os.close(agent_end)
             agent_end = -1
         looked = time.monotonic()
-        if growth is not None:
+        if grew and growth is not None:
             growth.drain()
         # The log first: a failure printed before a stop arrives is reported, not lost to the stop.
-        if agent_final or pdsh or (watch_progress and not ranks_up):
+        if not unchanged and (agent_final or pdsh or (watch_progress and not ranks_up)):
             for line in scan.lines():
                 if watch_progress and not ranks_up and P.RANK_OUTPUT.search(line):
                     ranks_up = True
@@ -534,8 +557,7 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             cmds = [c.strip() for c in lines]
             heard = heard or b"arm" in cmds
             if heard:
-                open(path(P.HEARTBEAT), "a").close()
-                os.utime(path(P.HEARTBEAT))
+                touch(P.HEARTBEAT)
             if b"stacks" in cmds:
                 threading.Thread(target=report_stacks, daemon=True).start()
             for c in cmds:
@@ -553,8 +575,8 @@ def guard(has_job: bool, agent_final: bool, pdsh: bool, watch_progress: bool = F
             why = f"no heartbeat from the supervisor {since}"
             say(f"lost-stopped {kill_run(why)} {why}")
             return 0
-        if not has_job:
-            continue
+        if not has_job or (agent_end is not None and agent_end >= 0):
+            continue  # the agent's pidfd did not fire: it is alive, and writes exit_code just before it ends
         code = read(P.EXIT)
         if code is None and read(P.PGID) is not None and not agent_alive():
             time.sleep(0.3)  # the agent may have written exit_code just before it ended

@@ -59,7 +59,10 @@ LEFT = "@@nodeops-left "  # kill: "@@nodeops-left N" processes survived SIGKILL
 STATE = "@@nodeops-state "  # kill: the host's state after it (agent.py status), for `nodeops stop`'s table
 
 # Timings (seconds).
-HEARTBEAT_EVERY = 1.0  # supervisor -> every guard
+# supervisor -> every guard. Each heartbeat wakes the chief's link to the host, the host's sshd and
+# its guard: every 3 s rather than every second cut those wakes, which at 64 sandbox nodes took the
+# nodes' CPU from the ranks for the whole run (docs/design.md); 5 go by within HEARTBEAT_STALE.
+HEARTBEAT_EVERY = 3.0
 # A guard (or agent) that hears nothing this long stops the job: the dead man's switch for a chief
 # that died or vanished (its ranks' peers fail in their collectives anyway; the switch cleans up).
 # It was 5 s; 15 s leaves a CPU-starved chief margin, and time the host itself did not run (LATE)

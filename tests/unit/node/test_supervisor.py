@@ -873,10 +873,11 @@ def test_the_agent_and_the_guard_sleep_until_something_happens(
     tmp_path: Path, request: pytest.FixtureRequest, events: str
 ) -> None:
     """The agent and the guard run on every host for the whole run: they wait on the job's and the
-    agent's pidfds, stdin and host.log's inotify, and look only every IDLE (1 s) besides. Over 4 s
-    of a quiet job the agent wakes about 4 times (it woke 20 looking every 0.2 s), the guard about
-    4 (the supervisor's heartbeats; 24 before). Without pidfds and ctypes both look every 0.2 s,
-    as before. Either way the job's end ends the run."""
+    agent's pidfds, stdin and host.log's inotify, and look only every IDLE (3 s, as often as the
+    heartbeats come) besides. Over 6 s of a quiet job the agent wakes about twice (6 times when
+    it looked every second, 30 every 0.2 s), the guard about twice (the supervisor's heartbeats,
+    which came every second before). Without pidfds and ctypes both look every 0.2 s, as before.
+    Either way the job's end ends the run."""
     if events == "no events":
         request.getfixturevalue("no_events")
     chief, dirs = make_run(tmp_path, {"h1": "exec sleep 300\n"})
@@ -890,13 +891,13 @@ def test_the_agent_and_the_guard_sleep_until_something_happens(
         agent = int((chief / P.AGENT_PID).read_text())
         (guard,) = [int(e.split()[0]) for e in ours(dirs) if "agent.py guard" in e]
         before = wakes(agent), wakes(guard)
-        time.sleep(4)
+        time.sleep(6)
         agent_wakes, guard_wakes = wakes(agent) - before[0], wakes(guard) - before[1]
         if events == "events":
-            assert agent_wakes <= 8, f"the agent woke {agent_wakes} times in 4 s"
-            assert guard_wakes <= 14, f"the guard woke {guard_wakes} times in 4 s"
+            assert agent_wakes <= 4, f"the agent woke {agent_wakes} times in 6 s"
+            assert guard_wakes <= 4, f"the guard woke {guard_wakes} times in 6 s"
         else:  # the fallback is what ran
-            assert agent_wakes >= 14 and guard_wakes >= 14, (agent_wakes, guard_wakes)
+            assert agent_wakes >= 20 and guard_wakes >= 20, (agent_wakes, guard_wakes)
         os.killpg(int((chief / P.PGID).read_text()), signal.SIGTERM)
         res = result_of(chief, sup)
     finally:
@@ -905,6 +906,43 @@ def test_the_agent_and_the_guard_sleep_until_something_happens(
             sup.wait(timeout=30)
     assert res["outcome"] == "failed"
     assert wait_clean(dirs) == []
+
+
+def read_word(g: subprocess.Popen[bytes], word: bytes, timeout: float) -> float:
+    """Seconds until the guard ``g`` says ``word`` (a line of its own), within ``timeout``."""
+    assert g.stdout is not None
+    t0 = time.monotonic()
+    buf = b""
+    while time.monotonic() - t0 < timeout:
+        if select.select([g.stdout], [], [], 0.05)[0]:
+            buf += os.read(g.stdout.fileno(), 4096)
+            if word in buf.split(b"\n"):
+                return time.monotonic() - t0
+    raise AssertionError(f"no {word!r} within {timeout}s: {buf!r}")
+
+
+def test_a_guard_looks_at_the_progress_file_every_second_once_the_script_touches_it(tmp_path: Path) -> None:
+    """A quiet guard looks only as often as the heartbeats come (3 s); once the script has touched
+    its progress file, it looks every second. Each touch just after a ``progress`` word is the next
+    word about a second later (about 3 s if it waited for the next heartbeat)."""
+    d = tmp_path / "h1" / "20261128-000000-0001"
+    d.mkdir(parents=True)
+    ship(d)
+    g = subprocess.Popen([sys.executable, str(d / "agent.py"), "guard", "--watch-progress"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    try:
+        read_word(g, b"watching", 10)
+        (d / P.PROGRESS).touch()
+        assert read_word(g, b"progress", 5) < 4  # the first touch: the next look (every 3 s) sees it
+        took = []
+        for _ in range(3):
+            time.sleep(0.1)
+            os.utime(d / P.PROGRESS)
+            took.append(read_word(g, b"progress", 5))
+        assert max(took) < 1.8, took
+    finally:
+        g.kill()
+        g.wait()
 
 
 def test_a_rank_exiting_1_stops_every_host_without_pidfds_or_inotify(tmp_path: Path, no_events: None) -> None:
