@@ -932,6 +932,7 @@ def test_a_guard_looks_at_the_progress_file_every_second_once_the_script_touches
                          stdout=subprocess.PIPE, start_new_session=True)  # fmt: skip
     try:
         read_word(g, b"watching", 10)
+        time.sleep(0.5)  # the guard looks at the file a first time after it says watching: a touch before is no news
         (d / P.PROGRESS).touch()
         assert read_word(g, b"progress", 5) < 4  # the first touch: the next look (every 3 s) sees it
         took = []
