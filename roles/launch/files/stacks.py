@@ -77,7 +77,13 @@ def _nodeops_stack_hook():
     d = _os.path.join(run_dir, "stacks")
     _os.makedirs(d, exist_ok=True)
     f = open(_os.path.join(d, "%s-%d.txt" % (_os.uname()[1], _os.getpid())), "a")
-    faulthandler.register(signal.SIGRTMIN + 7, file=f, all_threads=True, chain=False)
+    sig = signal.SIGRTMIN + 7
+    # Ignored underneath: faulthandler puts back what it found when the interpreter ends, and a
+    # dump asked for after that (a stall watch or `nodeops stacks` meeting the rank's exit) must
+    # not end the rank (by default a real-time signal terminates: exit 169, seen under load).
+    if signal.getsignal(sig) == signal.SIG_DFL:
+        signal.signal(sig, signal.SIG_IGN)
+    faulthandler.register(sig, file=f, all_threads=True, chain=False)
     return f
 
 

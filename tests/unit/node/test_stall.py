@@ -5,6 +5,7 @@ real on this machine as test_supervisor.py runs it (each "host" a run dir with i
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -209,3 +210,29 @@ def test_a_crash_while_another_rank_still_works_is_no_teardown(tmp_path: Path) -
     res = teardown_run(tmp_path, unfinished=True)
     first = res["first_failure"]
     assert isinstance(first, dict) and first["host"] == "a" and first["kind"] == "signal", res
+
+
+def test_a_stack_signal_at_a_ranks_end_does_not_end_it(tmp_path: Path) -> None:
+    """A dump asked for while a rank ends (the stall watch meeting a teardown slowed by load, seen
+    as a finished rank's exit 169 = 128 + SIGRTMIN + 7): once faulthandler has let go of the signal,
+    as it does at the interpreter's end, the signal is ignored and the rank keeps its own exit
+    status. A dump asked for before that still comes."""
+    run = tmp_path / "20261128-073000-ab12"
+    (run / S.HOOK_DIR).mkdir(parents=True)
+    (run / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
+    code = (
+        "import faulthandler, os, signal, time\n"
+        "sig = signal.SIGRTMIN + 7\n"
+        "os.kill(os.getpid(), sig)\n"  # registered: a dump
+        "time.sleep(0.2)\n"
+        "faulthandler.unregister(sig)\n"  # what the interpreter's end does
+        "os.kill(os.getpid(), sig)\n"
+        "time.sleep(0.2)\n"
+        "print('alive')\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(run / S.HOOK_DIR), "NODEOPS_RUN_ID": run.name, "RANK": "0"}
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30,
+                       cwd=tmp_path, check=False)  # fmt: skip
+    assert (p.returncode, p.stdout) == (0, "alive\n"), p.stderr
+    (dump,) = (run / "stacks").glob("*.txt")
+    assert 'File "<string>", line 3' in dump.read_text()  # the first signal's dump
