@@ -895,7 +895,8 @@ def test_the_agent_and_the_guard_sleep_until_something_happens(
         agent_wakes, guard_wakes = wakes(agent) - before[0], wakes(guard) - before[1]
         if events == "events":
             assert agent_wakes <= 4, f"the agent woke {agent_wakes} times in 6 s"
-            assert guard_wakes <= 4, f"the guard woke {guard_wakes} times in 6 s"
+            # a heartbeat and the IDLE timeout may both wake it in one period: up to 4, and 6 before
+            assert guard_wakes <= 5, f"the guard woke {guard_wakes} times in 6 s"
         else:  # the fallback is what ran
             assert agent_wakes >= 20 and guard_wakes >= 20, (agent_wakes, guard_wakes)
         os.killpg(int((chief / P.PGID).read_text()), signal.SIGTERM)
