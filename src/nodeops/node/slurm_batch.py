@@ -461,6 +461,19 @@ class Heart:
             self.send(rc)
 
 
+def ended_on_signal(rc: int, run_dir: str, files: dict[str, str], node: str, since: float) -> bool:
+    """Whether torchrun's exit ``rc`` after the time-limit signal says it ended its ranks on it:
+    1 (its SignalException), or any other failure once every rank it started on this node (since
+    ``since``) had ended its script. The rendezvous host's torchrun can end as soon as its own
+    ranks are done and take the TCPStore with it; a torchrun still waiting for a rank that
+    checkpoints longer then dies in its own teardown (SIGABRT, 134: seen in a CI run) after
+    that rank ended well."""
+    if rc == 1:
+        return True
+    done, up = finished_ranks(run_dir, files, [node], since)[node]
+    return up > 0 and done >= up
+
+
 def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
     """LAUNCHER RDZV_ID MAX_RESTARTS SCRIPT ARGS...: one node's torchrun (or DeepSpeed's launcher),
     waited for to its own end whatever signal comes."""
@@ -497,6 +510,7 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
         cmd = torchrun_argv(cfg, env, rdzv, restarts, args)
     heart = Heart(env.get("NODEOPS_HEARTBEAT", ""), node, env.get("NODEOPS_RUN_DIR", ""))
     heart.start()
+    began = time.time()
     try:
         state["proc"] = proc = start(cmd, env=env)
     except OSError as e:
@@ -504,8 +518,13 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
         heart.end(127)
         return 127
     rc = shell_rc(proc.wait())  # a handled signal does not end the wait: torchrun's own end does
-    if state["got"] and rc == 1:
-        say(f"nodeops: torchrun on {node} ended its ranks after SIG{time_limit}")
+    if state["got"] and rc != 0 and ended_on_signal(rc, env.get("NODEOPS_RUN_DIR", ""), cfg["files"], node, began):
+        if rc == 1:
+            say(f"nodeops: torchrun on {node} ended its ranks after SIG{time_limit}")
+        else:
+            say(f"nodeops: torchrun on {node} ended its ranks after SIG{time_limit}, then exited {rc} in its own "
+                "teardown (every rank here had ended its script; the rendezvous host's torchrun may have ended "
+                "first)")  # fmt: skip
         os.makedirs(f"{env.get('NODEOPS_RUN_DIR', '')}/signalled", exist_ok=True)
         open(f"{env.get('NODEOPS_RUN_DIR', '')}/signalled/{node}", "w").close()
         rc = 0

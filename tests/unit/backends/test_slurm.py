@@ -70,10 +70,19 @@ def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
 
 
 FAKE_TORCHRUN = """#!/bin/bash
-# stands in for torchrun: on USR1 or TERM it takes a moment to end its ranks, then exits 1; a
-# second signal would end it at once (as torchrun's shutdown does): it is counted
+# stands in for torchrun: on USR1 or TERM it takes a moment to end its ranks, then exits 1 (or
+# FAKE_SIGNAL_EXIT, its rank's marks of FAKE_RANK first: started, or started and done); a second
+# signal would end it at once (as torchrun's shutdown does): it is counted
 n=0
-end() { n=$((n + 1)); echo "$1" >> "$NODEOPS_RUN_DIR/ended"; if [ "$n" -eq 1 ]; then sleep 0.5; exit 1; fi; }
+marks() {
+  if [ -n "${FAKE_RANK:-}" ]; then mkdir -p "$NODEOPS_RUN_DIR/stacks" "$NODEOPS_RUN_DIR/finished"; fi
+  if [ -n "${FAKE_RANK:-}" ]; then : > "$NODEOPS_RUN_DIR/stacks/node7-4242.txt"; fi
+  if [ "${FAKE_RANK:-}" = done ]; then : > "$NODEOPS_RUN_DIR/finished/node7-4242.txt"; fi
+}
+end() {
+  n=$((n + 1)); echo "$1" >> "$NODEOPS_RUN_DIR/ended"
+  if [ "$n" -eq 1 ]; then sleep 0.5; marks; exit "${FAKE_SIGNAL_EXIT:-1}"; fi
+}
 trap 'end USR1' USR1
 trap 'end TERM' TERM
 echo "$@" > "$NODEOPS_RUN_DIR/ready"
@@ -83,7 +92,7 @@ while :; do sleep 0.1; done
 
 
 def run_task(tmp_path: Path, spec: str, sig: int | None, *, fake_exit: str = "", cgroup: bool = False,
-             ) -> tuple[int, str]:  # fmt: skip
+             signal_exit: str = "", rank: str = "") -> tuple[int, str]:  # fmt: skip
     """The batch driver's per-node task (``slurm_batch.py task``), run by python3 in a session of
     its own with a stand-in torchrun. ``sig`` goes to every process of it, as slurmstepd signals a
     step, or with ``cgroup`` to the task's own process only, as under proctrack/cgroup (the batch
@@ -94,13 +103,14 @@ def run_task(tmp_path: Path, spec: str, sig: int | None, *, fake_exit: str = "",
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text(FAKE_TORCHRUN)
     (bin_dir / "python").chmod(0o755)
-    for f in ("ready", "ended", "signalled/node7"):
+    for f in ("ready", "ended", "signalled/node7", "stacks/node7-4242.txt", "finished/node7-4242.txt"):
         (tmp_path / f).unlink(missing_ok=True)
     # (this Python's own dir before the rest: a pyenv shim for python3 would put its own python first)
     env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
            "NODEOPS_RUN_DIR": str(tmp_path),
            "SLURMD_NODENAME": "node7", "SLURM_JOB_NUM_NODES": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1",
-           "FAKE_EXIT": fake_exit, "NODEOPS_FORWARD_SIGNALS": "1" if cgroup else ""}  # fmt: skip
+           "FAKE_EXIT": fake_exit, "NODEOPS_FORWARD_SIGNALS": "1" if cgroup else "",
+           "FAKE_SIGNAL_EXIT": signal_exit, "FAKE_RANK": rank}  # fmt: skip
     task = ["python3", "-I", SB.__file__, "task", str(cfg)]
     p = subprocess.Popen([*task, "torchrun", "42", "0", "train.py", "--lr", "1"], env=env, stdout=subprocess.PIPE,
                          text=True, start_new_session=True)  # fmt: skip
@@ -141,6 +151,25 @@ def test_a_nodes_task_waits_for_torchrun_and_after_the_time_limit_signal_ends_we
     # no signal: torchrun's own exit code, whatever it is
     assert run_task(tmp_path, "slurm-full.happy.yaml", None, fake_exit="3") == (3, "")
     assert run_task(tmp_path, "slurm-sandbox.happy.yaml", None, fake_exit="0") == (0, "")
+
+
+def test_a_torchrun_that_dies_in_its_teardown_after_its_ranks_ended_on_the_time_limit_signal_ends_well(
+    tmp_path: Path,
+) -> None:
+    # a CI run: after SIGUSR1 the rendezvous host's torchrun ended with its ranks and took the
+    # TCPStore with it; the last node's torchrun, still waiting for its rank's longer checkpoint,
+    # then died of SIGABRT (134) in its own teardown, and the run exited 134, not 1. Once every rank
+    # the node started had ended its script, that exit says the ranks ended on the signal
+    rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGUSR1, signal_exit="134", rank="done")
+    assert (rc, (tmp_path / "signalled" / "node7").exists()) == (0, True), out
+    assert "torchrun on node7 ended its ranks after SIGUSR1, then exited 134 in its own teardown" in out
+    # a rank that had not ended its script: the node failed (its checkpoint may be incomplete)
+    for rank in ("started", ""):
+        rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGUSR1, signal_exit="134", rank=rank)
+        assert (rc, out, (tmp_path / "signalled" / "node7").exists()) == (134, "", False), rank
+    # SIGTERM is not the time limit's signal: torchrun's exit stays its own, every rank done or not
+    rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGTERM, signal_exit="134", rank="done")
+    assert (rc, out) == (134, "")
 
 
 def test_each_run_of_a_requeued_job_is_kept_and_shown() -> None:
