@@ -340,30 +340,43 @@ def step_times(began: float, heard: dict[str, float], ended_at: float) -> dict[s
     return {k: round(v, 3) for k, v in {"began": began, **heard, "ended": ended_at}.items()}
 
 
+def step_marks(run_dir: str, d: str, since: float) -> set[str]:
+    """The marks in ``d`` of the run dir (HOST-PID.txt) written since ``since`` (by mtime, 1 s
+    early counted), in one listing."""
+    try:
+        names = os.listdir(os.path.join(run_dir, d))
+    except OSError:
+        return set()
+    out = set()
+    for n in names:
+        with contextlib.suppress(OSError):  # gone meanwhile, or a stale handle: not counted
+            if os.path.getmtime(os.path.join(run_dir, d, n)) >= since - 1:
+                out.add(n)
+    return out
+
+
 def finished_ranks(run_dir: str, files: dict[str, str], nodes: Sequence[str], since: float,
-                   ) -> dict[str, list[int]]:  # fmt: skip
+                   ended_since: float | None = None) -> dict[str, list[int]]:  # fmt: skip
     """Each node's ranks in a step (begun at ``since``) that ended their script (the ranks' hook's
-    finished/NODE-PID.txt) and that started (its stacks/NODE-PID.txt), [ended, started]: the
-    shared run dir holds every node's. The restart rules and the run's exit code tell "finished,
-    then crashed in teardown" by them (agent.finished_ranks counts the same over ssh)."""
-
-    def marks(d: str) -> set[str]:
-        """The marks of this step (by mtime) in one listing of ``d``."""
-        try:
-            names = os.listdir(os.path.join(run_dir, d))
-        except OSError:
-            return set()
-        out = set()
-        for n in names:
-            with contextlib.suppress(OSError):  # gone meanwhile, or a stale handle: not counted
-                if os.path.getmtime(os.path.join(run_dir, d, n)) >= since - 1:
-                    out.add(n)
-        return out
-
-    started = marks(files["stacks_dir"])
-    ended = marks(files["finished_dir"]) & started  # a rank counts as ended only where it counts as started
+    finished/NODE-PID.txt; with ``ended_since``, only those that ended from then on) and that
+    started (its stacks/NODE-PID.txt), [ended, started]: the shared run dir holds every node's.
+    The restart rules and the run's exit code tell "finished, then crashed in teardown" by them
+    (agent.finished_ranks counts the same over ssh)."""
+    started = step_marks(run_dir, files["stacks_dir"], since)
+    # a rank counts as ended only where it counts as started
+    ended = step_marks(run_dir, files["finished_dir"], since if ended_since is None else ended_since) & started
     return {n: [sum(1 for m in ended if m.startswith(n + "-")), sum(1 for m in started if m.startswith(n + "-"))]
             for n in nodes}  # fmt: skip
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs here (a zombie does not: its parent, or a container's init
+    that reaps nothing, has yet to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[:1] != ["Z"]
+    except OSError:
+        return False
 
 
 def hang_times(path: str) -> dict[str, float]:
@@ -461,16 +474,23 @@ class Heart:
             self.send(rc)
 
 
-def ended_on_signal(rc: int, run_dir: str, files: dict[str, str], node: str, since: float) -> bool:
-    """Whether torchrun's exit ``rc`` after the time-limit signal says it ended its ranks on it:
-    1 (its SignalException), or any other failure once every rank it started on this node (since
-    ``since``) had ended its script. The rendezvous host's torchrun can end as soon as its own
-    ranks are done and take the TCPStore with it; a torchrun still waiting for a rank that
-    checkpoints longer then dies in its own teardown (SIGABRT, 134: seen in a CI run) after
-    that rank ended well."""
+def ended_on_signal(rc: int, run_dir: str, files: dict[str, str], node: str, since: float, signalled: float,
+                    wait: float) -> bool:  # fmt: skip
+    """Whether torchrun's exit ``rc`` after the time-limit signal (at ``signalled``) says it
+    ended its ranks on it: 1 (its SignalException), or any other failure once every rank it
+    started on this node (since ``since``) has ended its script after the signal. The rendezvous
+    host's torchrun can end as soon as its own ranks are done and take the TCPStore with it; a
+    torchrun still waiting for a rank that checkpoints longer then dies in its own teardown
+    (SIGABRT, 134: seen in a CI run), before or after that rank ends. So the ranks still running
+    (their pids are in their started marks' names) are waited for, up to ``wait`` seconds."""
     if rc == 1:
         return True
-    done, up = finished_ranks(run_dir, files, [node], since)[node]
+    pids = [int(m[len(node) + 1:-4]) for m in step_marks(run_dir, files["stacks_dir"], since)
+            if m.startswith(node + "-") and m.endswith(".txt") and m[len(node) + 1:-4].isdigit()]  # fmt: skip
+    deadline = time.monotonic() + wait
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    done, up = finished_ranks(run_dir, files, [node], since, ended_since=signalled)[node]
     return up > 0 and done >= up
 
 
@@ -483,10 +503,12 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
     env["PET_LOG_DIR"] = f"{env.get('NODEOPS_RUN_DIR', '')}/ranks/{node}"
     time_limit = cfg.get("signal")
     forward = bool(env.get("NODEOPS_FORWARD_SIGNALS"))
-    state: dict[str, Any] = {"proc": None, "got": False}
+    state: dict[str, Any] = {"proc": None, "got": False, "at": 0.0}
 
     def handler(to: str, marks: bool) -> Callable[[int, Any], None]:
         def on(_sig: int, _frame: Any) -> None:
+            if marks and not state["got"]:
+                state["at"] = time.time()
             state["got"] = state["got"] or marks
             proc = state["proc"]
             if forward and proc is not None and proc.returncode is None:
@@ -518,7 +540,9 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
         heart.end(127)
         return 127
     rc = shell_rc(proc.wait())  # a handled signal does not end the wait: torchrun's own end does
-    if state["got"] and rc != 0 and ended_on_signal(rc, env.get("NODEOPS_RUN_DIR", ""), cfg["files"], node, began):
+    run_dir = env.get("NODEOPS_RUN_DIR", "")
+    if state["got"] and rc != 0 and ended_on_signal(rc, run_dir, cfg["files"], node, began, state["at"],
+                                                    float(cfg["step_wait"])):  # fmt: skip
         if rc == 1:
             say(f"nodeops: torchrun on {node} ended its ranks after SIG{time_limit}")
         else:

@@ -71,13 +71,20 @@ def test_signal_is_handed_to_torchrun_only_when_asked() -> None:
 
 FAKE_TORCHRUN = """#!/bin/bash
 # stands in for torchrun: on USR1 or TERM it takes a moment to end its ranks, then exits 1 (or
-# FAKE_SIGNAL_EXIT, its rank's marks of FAKE_RANK first: started, or started and done); a second
-# signal would end it at once (as torchrun's shutdown does): it is counted
+# FAKE_SIGNAL_EXIT, after the marks FAKE_RANK names); a second signal would end it at once (as
+# torchrun's shutdown does): it is counted
 n=0
+gone() { sleep 0 & local pid=$!; wait "$pid"; echo "$pid"; }  # the pid of a rank that has ended
+mark() { mkdir -p "$NODEOPS_RUN_DIR/$1"; : > "$NODEOPS_RUN_DIR/$1/node7-$2.txt"; }
 marks() {
-  if [ -n "${FAKE_RANK:-}" ]; then mkdir -p "$NODEOPS_RUN_DIR/stacks" "$NODEOPS_RUN_DIR/finished"; fi
-  if [ -n "${FAKE_RANK:-}" ]; then : > "$NODEOPS_RUN_DIR/stacks/node7-4242.txt"; fi
-  if [ "${FAKE_RANK:-}" = done ]; then : > "$NODEOPS_RUN_DIR/finished/node7-4242.txt"; fi
+  case "${FAKE_RANK:-}" in
+    done) p=$(gone); mark stacks "$p"; mark finished "$p" ;;  # its rank ended its script
+    started) mark stacks "$(gone)" ;;  # its rank ended without ending its script (a crash)
+    half) p=$(gone); mark stacks "$p"; mark finished "$p"; mark stacks "$(gone)" ;;  # one of two
+    stale) p=$(gone); mark stacks "$p"; mark finished "$p"  # ended before the signal
+           touch -d "@$(($(date +%s) - 5))" "$NODEOPS_RUN_DIR/finished/node7-$p.txt" ;;
+    late) (sleep 1.5; mark finished "$BASHPID") & mark stacks "$!" ;;  # still checkpointing
+  esac
 }
 end() {
   n=$((n + 1)); echo "$1" >> "$NODEOPS_RUN_DIR/ended"
@@ -103,7 +110,8 @@ def run_task(tmp_path: Path, spec: str, sig: int | None, *, fake_exit: str = "",
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "python").write_text(FAKE_TORCHRUN)
     (bin_dir / "python").chmod(0o755)
-    for f in ("ready", "ended", "signalled/node7", "stacks/node7-4242.txt", "finished/node7-4242.txt"):
+    for f in ("ready", "ended", "signalled/node7", *(str(m.relative_to(tmp_path)) for d in ("stacks", "finished")
+                                                     for m in (tmp_path / d).glob("*.txt"))):  # fmt: skip
         (tmp_path / f).unlink(missing_ok=True)
     # (this Python's own dir before the rest: a pyenv shim for python3 would put its own python first)
     env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
@@ -159,12 +167,17 @@ def test_a_torchrun_that_dies_in_its_teardown_after_its_ranks_ended_on_the_time_
     # a CI run: after SIGUSR1 the rendezvous host's torchrun ended with its ranks and took the
     # TCPStore with it; the last node's torchrun, still waiting for its rank's longer checkpoint,
     # then died of SIGABRT (134) in its own teardown, and the run exited 134, not 1. Once every rank
-    # the node started had ended its script, that exit says the ranks ended on the signal
-    rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGUSR1, signal_exit="134", rank="done")
-    assert (rc, (tmp_path / "signalled" / "node7").exists()) == (0, True), out
-    assert "torchrun on node7 ended its ranks after SIGUSR1, then exited 134 in its own teardown" in out
-    # a rank that had not ended its script: the node failed (its checkpoint may be incomplete)
-    for rank in ("started", ""):
+    # the node started has ended its script after the signal, that exit says the ranks ended on it;
+    # a rank still checkpointing when torchrun died is waited for (late)
+    for rank in ("done", "late"):
+        t = time.monotonic()
+        rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGUSR1, signal_exit="134", rank=rank)
+        assert (rc, (tmp_path / "signalled" / "node7").exists()) == (0, True), (rank, out)
+        assert "torchrun on node7 ended its ranks after SIGUSR1, then exited 134 in its own teardown" in out
+        assert time.monotonic() - t < 30, rank  # (not the 300 s the task may wait for a rank)
+    # a rank that did not end its script, one of two that did not, or one that ended before the
+    # signal came (its mark older than the task): the node failed, its exit stays
+    for rank in ("started", "half", "stale", ""):
         rc, out = run_task(tmp_path, "slurm-full.happy.yaml", signal.SIGUSR1, signal_exit="134", rank=rank)
         assert (rc, out, (tmp_path / "signalled" / "node7").exists()) == (134, "", False), rank
     # SIGTERM is not the time limit's signal: torchrun's exit stays its own, every rank done or not
