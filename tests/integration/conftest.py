@@ -63,37 +63,22 @@ def own_sandbox(name: str, n: int, subnet: str, slurm: bool = False) -> Iterator
 
 # scripts/test.sh runs a side stream of integration tests (their own sandboxes, no timing bounds)
 # beside the first modules of the main one; a test marked `alone` (timing bounds) starts only once
-# the side stream has ended: NODEOPS_TEST_ALONE_AFTER then exists (its exit code inside), or its
-# process (NODEOPS_TEST_ALONE_PID) is gone. One hour in all is waited for it, once.
-ALONE_WAIT_MAX = 3600.0
-_alone_since: list[float] = []  # when the first `alone` test began to wait
-
-
-def side_stream_running() -> bool:
-    flag, pid = os.environ.get("NODEOPS_TEST_ALONE_AFTER"), os.environ.get("NODEOPS_TEST_ALONE_PID", "")
-    if not flag or Path(flag).exists():
-        return False
-    if pid.isdigit():
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-    return not _alone_since or time.monotonic() - _alone_since[0] < ALONE_WAIT_MAX
+# the side stream has ended: this file then exists (its exit code inside)
+ALONE_AFTER = "NODEOPS_TEST_ALONE_AFTER"
+ALONE_WAIT_MAX = 3600.0  # a side stream that ran this long is not waited for (its own run then fails)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.get_closest_marker("alone") is None or not side_stream_running():
+    flag = os.environ.get(ALONE_AFTER)
+    if not flag or item.get_closest_marker("alone") is None or Path(flag).exists():
         return
     said = item.config.pluginmanager.get_plugin("terminalreporter")
-    _alone_since.append(time.monotonic())
-    while side_stream_running():
+    t = time.monotonic()
+    while not Path(flag).exists() and time.monotonic() - t < ALONE_WAIT_MAX:
         time.sleep(1)
     if said is not None:
-        said.write_line(f"\n(the tests with timing bounds waited {time.monotonic() - _alone_since[0]:.0f} s "
-                        "for the side stream)")  # fmt: skip
+        said.write_line(f"\n(the tests with timing bounds waited {time.monotonic() - t:.0f} s for the side stream)")
 
 
 @pytest.fixture(scope="session")

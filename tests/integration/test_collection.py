@@ -26,7 +26,7 @@ from nodeops.sandbox import cluster as sandbox
 from .conftest import NODEOPS, ROOT, WORKDIR
 from .test_launch import CLEAN, leftovers, no_leftovers_within
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.alone]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 BIN = Path(sys.executable).parent
 ROLES = ["ssh_mesh", "python_env", "shared_path", "nccl_env", "deepspeed_env", "launch"]
 
