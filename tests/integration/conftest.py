@@ -61,26 +61,6 @@ def own_sandbox(name: str, n: int, subnet: str, slurm: bool = False) -> Iterator
         sandbox.down(name)
 
 
-# scripts/test.sh runs a side stream of integration tests (their own sandboxes, no timing bounds)
-# beside the first modules of the main one; a test marked `alone` (timing bounds) starts only once
-# the side stream has ended: this file then exists (its exit code inside)
-ALONE_AFTER = "NODEOPS_TEST_ALONE_AFTER"
-ALONE_WAIT_MAX = 3600.0  # a side stream that ran this long is not waited for (its own run then fails)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    flag = os.environ.get(ALONE_AFTER)
-    if not flag or item.get_closest_marker("alone") is None or Path(flag).exists():
-        return
-    said = item.config.pluginmanager.get_plugin("terminalreporter")
-    t = time.monotonic()
-    while not Path(flag).exists() and time.monotonic() - t < ALONE_WAIT_MAX:
-        time.sleep(1)
-    if said is not None:
-        said.write_line(f"\n(the tests with timing bounds waited {time.monotonic() - t:.0f} s for the side stream)")
-
-
 @pytest.fixture(scope="session")
 def sandbox_cluster() -> Iterator[sandbox.Sandbox]:
     yield from own_sandbox(SESSION_NAME, 3, SESSION_SUBNET)

@@ -19,7 +19,7 @@ from nodeops.sandbox import cluster as sandbox
 from .conftest import NODEOPS, SECRET
 from .test_launch import CLEAN, controller_leftovers, no_leftovers_within
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.alone]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 THROTTLE = ["tc", "qdisc", "add", "dev", "eth0", "root", "tbf", "rate", "20mbit", "burst", "32kbit", "latency", "400ms"]
 
 

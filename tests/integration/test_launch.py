@@ -18,7 +18,7 @@ from nodeops.sandbox import cluster as sandbox
 
 from .conftest import NODEOPS, SECRET, ssh
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.alone]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 JOB = re.compile(r"ddp_train|torch\.distributed\.run|job\.sh")
 # Every helper a run starts on a node: the agent, the supervisor and its guards, follow/kill/
 # status scripts, tail, ssh clients, and the jobs themselves (sshd sessions are the sandbox's own).

@@ -20,7 +20,7 @@ from nodeops.sandbox import cluster as sandbox
 from .conftest import NODEOPS, ROOT, SECRET, own_sandbox, setup, wheelhouse
 from .test_launch import HELPERS, controller_leftovers, leftovers
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.alone]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NAME = f"pytestrec{os.getpid()}"
 SUBNET = "10.222.0.0/24"

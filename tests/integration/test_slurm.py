@@ -33,7 +33,6 @@ from tests.integration.conftest import (
 
 NAME = f"pytestslurm{os.getpid()}"
 SUBNET = "10.220.0.0/24"
-pytestmark = [pytest.mark.integration, pytest.mark.alone]
 WORKDIR = "/home/debian/slurm-it"  # in the shared home: every node sees what setup put there
 HASH = re.compile(r"^(node\d) \[rank(\d+)\]:final param hash ([0-9a-f]+)$", re.M)
 PLACED = re.compile(r"^(node\d) \[rank(\d+)\]:rank \d+/(\d+) on (node\d)", re.M)

@@ -15,7 +15,7 @@ from nodeops.sandbox import cluster as sandbox
 from .conftest import one_group_stacks
 from .test_launch import CLEAN, _cli, controller_leftovers, launch, no_leftovers_within, variant_spec
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.alone]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _detach(project: Path, *args: str) -> str:
