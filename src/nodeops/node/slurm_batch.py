@@ -500,7 +500,8 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
     launcher, rdzv, restarts, *args = argv
     env = dict(os.environ)
     node = env.get("SLURMD_NODENAME", "")
-    env["PET_LOG_DIR"] = f"{env.get('NODEOPS_RUN_DIR', '')}/ranks/{node}"
+    run_dir = env.get("NODEOPS_RUN_DIR", "")
+    env["PET_LOG_DIR"] = f"{run_dir}/ranks/{node}"
     time_limit = cfg.get("signal")
     forward = bool(env.get("NODEOPS_FORWARD_SIGNALS"))
     state: dict[str, Any] = {"proc": None, "got": False, "at": 0.0}
@@ -525,12 +526,12 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
             say(f"nodeops: {node} is not in the node list DeepSpeed was given", err=True)
             return 97
         rank = len(nodes) - 1 - nodes[::-1].index(node)
-        hook = f"{env.get('NODEOPS_RUN_DIR', '')}/hook"
+        hook = f"{run_dir}/hook"
         launch = deepspeed_argv(shutil.which("python") or "python", env, rank, args)
         cmd = ["bash", "-c", DS_SHELL, "nodeops-deepspeed", hook, *launch]
     else:
         cmd = torchrun_argv(cfg, env, rdzv, restarts, args)
-    heart = Heart(env.get("NODEOPS_HEARTBEAT", ""), node, env.get("NODEOPS_RUN_DIR", ""))
+    heart = Heart(env.get("NODEOPS_HEARTBEAT", ""), node, run_dir)
     heart.start()
     began = time.time()
     try:
@@ -540,7 +541,6 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
         heart.end(127)
         return 127
     rc = shell_rc(proc.wait())  # a handled signal does not end the wait: torchrun's own end does
-    run_dir = env.get("NODEOPS_RUN_DIR", "")
     if state["got"] and rc != 0 and ended_on_signal(rc, run_dir, cfg["files"], node, began, state["at"],
                                                     float(cfg["step_wait"])):  # fmt: skip
         if rc == 1:
@@ -549,8 +549,8 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
             say(f"nodeops: torchrun on {node} ended its ranks after SIG{time_limit}, then exited {rc} in its own "
                 "teardown (every rank here had ended its script; the rendezvous host's torchrun may have ended "
                 "first)")  # fmt: skip
-        os.makedirs(f"{env.get('NODEOPS_RUN_DIR', '')}/signalled", exist_ok=True)
-        open(f"{env.get('NODEOPS_RUN_DIR', '')}/signalled/{node}", "w").close()
+        os.makedirs(f"{run_dir}/signalled", exist_ok=True)
+        open(f"{run_dir}/signalled/{node}", "w").close()
         rc = 0
     heart.end(rc)
     return rc
