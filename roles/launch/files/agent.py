@@ -427,7 +427,7 @@ def raised(pid: str | None) -> str | None:
     the exception's first line, or None (none, or one older than this attempt's job)."""
     if not pid:
         return None
-    mark = path(os.path.join(S.RAISED_DIR, f"{os.uname()[1]}-{pid}.txt"))
+    mark = path(os.path.join(S.RAISED_DIR, f"{S.host_name()}-{pid}.txt"))
     try:
         if os.path.getmtime(mark) < os.path.getmtime(path(P.PGID)) - 1:
             return None  # a previous attempt's rank with the same pid
@@ -444,7 +444,7 @@ def finished_ranks() -> tuple[int, int]:
         since = os.path.getmtime(path(P.PGID)) - 1
     except OSError:
         return 0, 0
-    host = os.uname()[1]
+    host = S.host_name()
 
     def count(d: str) -> int:
         try:

@@ -24,6 +24,7 @@ from nodeops.backends.slurm import backend as slurm_backend
 from nodeops.backends.slurm import job as slurm
 from nodeops.node import slurm_batch as B
 from nodeops.node import slurm_failures as SF
+from nodeops.node import stacks as S
 from nodeops.spec.load import load_spec_text
 
 # srun's own lines, as Slurm 22.05 wrote them on the sandbox when node3's container was killed
@@ -479,6 +480,36 @@ def test_finished_ranks_are_counted_per_node_in_the_shared_run_dir(tmp_path: Pat
         "node1": [1, 2], "node2": [0, 1], "node3": [0, 0]}  # fmt: skip
     assert B.finished_ranks(str(tmp_path), files, ["node1"], time.time() + 60) == {"node1": [0, 0]}  # earlier marks
     assert B.finished_ranks(str(tmp_path / "none"), files, ["node1"], since) == {"node1": [0, 0]}
+
+
+@pytest.mark.parametrize("slurm_name", ["queue-dy-c5-1", None])
+def test_the_ranks_marks_carry_slurms_node_name_where_it_is_not_the_hostname(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slurm_name: str | None
+) -> None:
+    """A Slurm NodeName need not be the host's name (AWS ParallelCluster: queue-dy-c5-1 on
+    ip-10-0-0-1), and the batch counts each node's marks by its Slurm name: the ranks' real hook
+    (a real Python with it as sitecustomize) names its marks by SLURMD_NODENAME where Slurm set it,
+    else by the hostname, and the readers on the node (stacks.stack_file) say the same."""
+    run = tmp_path / "run1"
+    (run / S.HOOK_DIR).mkdir(parents=True)
+    (run / S.HOOK_DIR / "sitecustomize.py").write_text(S.HOOK)
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(run / S.HOOK_DIR), "NODEOPS_RUN_ID": run.name, "RANK": "0"}
+    if slurm_name:
+        env["SLURMD_NODENAME"] = slurm_name
+    since = time.time()
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], env=env, capture_output=True,
+                       text=True, timeout=60, check=True)  # fmt: skip
+    pid = int(p.stdout)
+    name = slurm_name or os.uname()[1]
+    assert sorted(os.listdir(run / S.STACKS_DIR)) == [f"{name}-{pid}.txt"]
+    assert sorted(os.listdir(run / S.FINISHED_DIR)) == [f"{name}-{pid}.txt"]
+    files = {"finished_dir": S.FINISHED_DIR, "stacks_dir": S.STACKS_DIR}
+    assert B.finished_ranks(str(run), files, [name], since) == {name: [1, 1]}
+    if slurm_name:
+        monkeypatch.setenv("SLURMD_NODENAME", slurm_name)
+    else:
+        monkeypatch.delenv("SLURMD_NODENAME", raising=False)
+    assert S.stack_file(str(run), pid) == str(run / S.STACKS_DIR / f"{name}-{pid}.txt")
 
 
 # srun (on the stand-in allocation node[1-3]): every rank ends its script (the hook's finished mark; node2's second
