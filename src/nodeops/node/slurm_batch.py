@@ -543,10 +543,11 @@ def task_main(cfg: dict[str, Any], argv: Sequence[str]) -> int:
     rc = shell_rc(proc.wait())  # a handled signal does not end the wait: torchrun's own end does
     if state["got"] and rc != 0 and ended_on_signal(rc, run_dir, cfg["files"], node, began, state["at"],
                                                     float(cfg["step_wait"])):  # fmt: skip
+        who = "DeepSpeed's launcher" if launcher == "deepspeed" else "torchrun"
         if rc == 1:
-            say(f"nodeops: torchrun on {node} ended its ranks after SIG{time_limit}")
+            say(f"nodeops: {who} on {node} ended its ranks after SIG{time_limit}")
         else:
-            say(f"nodeops: torchrun on {node} ended its ranks after SIG{time_limit}, then exited {rc} in its own "
+            say(f"nodeops: {who} on {node} ended its ranks after SIG{time_limit}, then exited {rc} in its own "
                 "teardown (every rank here had ended its script; the rendezvous host's torchrun may have ended "
                 "first)")  # fmt: skip
         os.makedirs(f"{run_dir}/signalled", exist_ok=True)
@@ -696,7 +697,10 @@ class Batch:
         and gives them its shutdown timeout to checkpoint before it ends them."""
         name = self.cfg["signal"]
         self.got_signal = f"SIG{name}"
-        say(f"nodeops: SIG{name} (the time limit is near): forwarding it to torchrun on every node")
+        who = {"deepspeed": "DeepSpeed's launcher on every node", "mpirun": "mpirun"}.get(
+            self.cfg["runner"], "torchrun on every node"
+        )
+        say(f"nodeops: SIG{name} (the time limit is near): forwarding it to {who}")
         # the ranks may now go quiet to checkpoint: the hang watchdog stands down
         for proc, sig in ((self.watch, signal.SIGTERM), (self.step, getattr(signal, f"SIG{name}"))):
             if proc is not None and proc.returncode is None:
