@@ -365,8 +365,15 @@ def finished_ranks(run_dir: str, files: dict[str, str], nodes: Sequence[str], si
     started = step_marks(run_dir, files["stacks_dir"], since)
     # a rank counts as ended only where it counts as started
     ended = step_marks(run_dir, files["finished_dir"], since if ended_since is None else ended_since) & started
-    return {n: [sum(1 for m in ended if m.startswith(n + "-")), sum(1 for m in started if m.startswith(n + "-"))]
+    return {n: [sum(1 for m in ended if mark_host(m) == n), sum(1 for m in started if mark_host(m) == n)]
             for n in nodes}  # fmt: skip
+
+
+def mark_host(name: str) -> str:
+    """The node of a mark's file name (HOST-PID.txt; stacks.mark_host, which this file cannot
+    import), '' for another name: node "gpu" never counts gpu-1's marks."""
+    host, sep, pid = name[:-4].rpartition("-") if name.endswith(".txt") else ("", "", "")
+    return host if sep and pid.isdigit() else ""
 
 
 def pid_alive(pid: int) -> bool:
@@ -486,7 +493,7 @@ def ended_on_signal(rc: int, run_dir: str, files: dict[str, str], node: str, sin
     if rc == 1:
         return True
     pids = [int(m[len(node) + 1:-4]) for m in step_marks(run_dir, files["stacks_dir"], since)
-            if m.startswith(node + "-") and m.endswith(".txt") and m[len(node) + 1:-4].isdigit()]  # fmt: skip
+            if mark_host(m) == node]  # fmt: skip
     deadline = time.monotonic() + wait
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -143,11 +143,14 @@ def lost_nodes(batch_lines: Sequence[str], step_nodes: Sequence[str],
     return [(n, out[n]) for n in step_nodes if n in out]
 
 
-def _raised(run_dir: str, tail: Sequence[str], since: float) -> str | None:
-    """The exception the failed worker torchrun names (its pid) did not catch, when the ranks'
-    hook marked one during this attempt (raised/HOST-PID.txt), else None."""
+def _raised(run_dir: str, host: str, tail: Sequence[str], since: float) -> str | None:
+    """The exception the failed worker torchrun names (its pid) on ``host`` did not catch, when
+    the ranks' hook marked one during this attempt (raised/HOST-PID.txt, HOST Slurm's name for
+    the node: pids repeat across nodes), else None."""
     pid = next((m.group(2) for line in tail for m in [P.AGENT_FAILED.search(line)] if m and m.group(2)), None)
-    for mark in glob.glob(os.path.join(run_dir, "raised", f"*-{pid}.txt")) if pid else []:
+    for mark in (
+        glob.glob(os.path.join(run_dir, "raised", f"{glob.escape(host) if host else '*'}-{pid}.txt")) if pid else []
+    ):
         try:
             if os.path.getmtime(mark) >= since - 1:
                 with open(mark, errors="replace") as f:
@@ -184,7 +187,7 @@ def classify(batch_lines: Sequence[str], tails: Tails, step_nodes: Sequence[str]
     # worker), else the task's (srun's "Killed": -1, no code of its own)
     worker = next((m.group(1) for line in cause.tail for m in [P.AGENT_FAILED.search(line)] if m), None)
     code = worker or ("" if cause.exit_code in (None, -1) else str(cause.exit_code))
-    threw = _raised(run_dir, cause.tail, since) if run_dir else None
+    threw = _raised(run_dir, cause.host, cause.tail, since) if run_dir else None
     if threw is not None and P.PEER_LOST.search(threw):
         return "peer", None, "its ranks lost a peer (no node was lost)"
     kind = R.kind_of_worker(code, False, threw is not None)

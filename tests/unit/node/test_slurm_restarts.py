@@ -101,6 +101,8 @@ def test_a_signal_after_an_uncaught_exception_is_the_scripts_error(tmp_path: Pat
     since = time.time()
     assert SF.classify(batch, {"node2": tail}, ["node1", "node2"], {}, None, str(tmp_path), since)[0] == "signal"
     (tmp_path / "raised").mkdir()
+    (tmp_path / "raised" / "node1-4242.txt").write_text("RuntimeError: node1's rank with the same pid")
+    assert SF.classify(batch, {"node2": tail}, ["node1", "node2"], {}, None, str(tmp_path), since)[0] == "signal"
     (tmp_path / "raised" / "node2-4242.txt").write_text("RuntimeError: a bug")
     assert SF.classify(batch, {"node2": tail}, ["node1", "node2"], {}, None, str(tmp_path), since) == (
         "script", "node2", "a rank's exit code -6, after an uncaught exception")  # fmt: skip
@@ -480,6 +482,12 @@ def test_finished_ranks_are_counted_per_node_in_the_shared_run_dir(tmp_path: Pat
         "node1": [1, 2], "node2": [0, 1], "node3": [0, 0]}  # fmt: skip
     assert B.finished_ranks(str(tmp_path), files, ["node1"], time.time() + 60) == {"node1": [0, 0]}  # earlier marks
     assert B.finished_ranks(str(tmp_path / "none"), files, ["node1"], since) == {"node1": [0, 0]}
+    for d, names in (("stacks", ["gpu-1-5.txt", "gpu-6.txt", "gpu-x.txt"]), ("finished", ["gpu-1-5.txt"])):
+        for n in names:
+            (tmp_path / d / n).write_text("")
+    # node "gpu" counts its own marks only, never node "gpu-1"'s; a name without a pid is no mark
+    assert B.finished_ranks(str(tmp_path), files, ["gpu", "gpu-1"], since) == {"gpu": [0, 1], "gpu-1": [1, 1]}
+    assert [B.mark_host(n) for n in ("gpu-1-5.txt", "gpu-x.txt", "gpu-5", "-5.txt")] == ["gpu-1", "", "", ""]
 
 
 @pytest.mark.parametrize("slurm_name", ["queue-dy-c5-1", None])
@@ -505,11 +513,16 @@ def test_the_ranks_marks_carry_slurms_node_name_where_it_is_not_the_hostname(
     assert sorted(os.listdir(run / S.FINISHED_DIR)) == [f"{name}-{pid}.txt"]
     files = {"finished_dir": S.FINISHED_DIR, "stacks_dir": S.STACKS_DIR}
     assert B.finished_ranks(str(run), files, [name], since) == {name: [1, 1]}
-    if slurm_name:
-        monkeypatch.setenv("SLURMD_NODENAME", slurm_name)
-    else:
-        monkeypatch.delenv("SLURMD_NODENAME", raising=False)
-    assert S.stack_file(str(run), pid) == str(run / S.STACKS_DIR / f"{name}-{pid}.txt")
+    # a reader finds a live rank's dump file by the rank's environment, whatever its own says
+    monkeypatch.setenv("SLURMD_NODENAME", "the-readers-own")
+    with subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); time.sleep(60)"], env=env,
+                          stdout=subprocess.PIPE) as rank:  # fmt: skip
+        try:
+            assert rank.stdout is not None and rank.stdout.readline() == b"1\n"
+            assert S.stack_file(str(run), rank.pid) == str(run / S.STACKS_DIR / f"{name}-{rank.pid}.txt")
+            assert (run / S.STACKS_DIR / f"{name}-{rank.pid}.txt").exists()
+        finally:
+            rank.kill()
 
 
 # srun (on the stand-in allocation node[1-3]): every rank ends its script (the hook's finished mark; node2's second

@@ -391,7 +391,7 @@ def test_a_rank_aborted_after_an_uncaught_exception_is_the_scripts_own_error(tmp
     exception", exit code -6): that is still the script's error, which restart_on: infra must not
     restart (a CI run restarted it once, when this host's report came first). The guard trusts
     the mark the ranks' hook leaves (raised/HOST-PID.txt), not a traceback in the text."""
-    host = os.uname()[1]
+    host = S.host_name()
     text = {"raised": "RuntimeError: rank 1: a bug at step 2", "stale": "RuntimeError: old",
             "peer": "RuntimeError: Connection closed by peer [10.0.0.2]:5",
             "other": "RuntimeError: x"}[where]  # fmt: skip
