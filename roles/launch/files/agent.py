@@ -427,7 +427,7 @@ def raised(pid: str | None) -> str | None:
     the exception's first line, or None (none, or one older than this attempt's job)."""
     if not pid:
         return None
-    mark = path(os.path.join(S.RAISED_DIR, f"{S.host_name(int(pid) if pid.isdigit() else None)}-{pid}.txt"))
+    mark = path(os.path.join(S.RAISED_DIR, f"{S.host_name()}-{pid}.txt"))
     try:
         if os.path.getmtime(mark) < os.path.getmtime(path(P.PGID)) - 1:
             return None  # a previous attempt's rank with the same pid

@@ -373,7 +373,7 @@ def mark_host(name: str) -> str:
     """The node of a mark's file name (HOST-PID.txt; stacks.mark_host, which this file cannot
     import), '' for another name: node "gpu" never counts gpu-1's marks."""
     host, sep, pid = name[:-4].rpartition("-") if name.endswith(".txt") else ("", "", "")
-    return host if sep and pid.isdigit() else ""
+    return host if sep and pid.isascii() and pid.isdigit() else ""
 
 
 def pid_alive(pid: int) -> bool:

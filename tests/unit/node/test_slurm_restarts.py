@@ -487,7 +487,8 @@ def test_finished_ranks_are_counted_per_node_in_the_shared_run_dir(tmp_path: Pat
             (tmp_path / d / n).write_text("")
     # node "gpu" counts its own marks only, never node "gpu-1"'s; a name without a pid is no mark
     assert B.finished_ranks(str(tmp_path), files, ["gpu", "gpu-1"], since) == {"gpu": [0, 1], "gpu-1": [1, 1]}
-    assert [B.mark_host(n) for n in ("gpu-1-5.txt", "gpu-x.txt", "gpu-5", "-5.txt")] == ["gpu-1", "", "", ""]
+    names = ("gpu-1-5.txt", "gpu-x.txt", "gpu-5", "-5.txt", "gpu-\u00b2.txt", "a.b-7.txt")
+    assert [B.mark_host(n) for n in names] == [S.mark_host(n) for n in names] == ["gpu-1", "", "", "", "", "a.b"]
 
 
 @pytest.mark.parametrize("slurm_name", ["queue-dy-c5-1", None])
