@@ -148,9 +148,7 @@ def _raised(run_dir: str, host: str, tail: Sequence[str], since: float) -> str |
     the ranks' hook marked one during this attempt (raised/HOST-PID.txt, HOST Slurm's name for
     the node: pids repeat across nodes), else None."""
     pid = next((m.group(2) for line in tail for m in [P.AGENT_FAILED.search(line)] if m and m.group(2)), None)
-    for mark in (
-        glob.glob(os.path.join(run_dir, "raised", f"{glob.escape(host) if host else '*'}-{pid}.txt")) if pid else []
-    ):
+    for mark in glob.glob(os.path.join(run_dir, "raised", f"{glob.escape(host)}-{pid}.txt")) if pid else []:
         try:
             if os.path.getmtime(mark) >= since - 1:
                 with open(mark, errors="replace") as f:
