@@ -61,6 +61,23 @@ def own_sandbox(name: str, n: int, subnet: str, slurm: bool = False) -> Iterator
         sandbox.down(name)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def nodeops_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own NODEOPS_HOME (sandbox state, setup records, run records, ssh control
+    sockets): the tests never write into the user's ~/.nodeops, nor read what is there. Short
+    (pytest's base temp), because ssh's control sockets live under it (108-byte path limit)."""
+    home = tmp_path_factory.mktemp("home")
+    before = os.environ.get("NODEOPS_HOME")
+    os.environ["NODEOPS_HOME"] = str(home)
+    try:
+        yield home
+    finally:
+        if before is None:
+            os.environ.pop("NODEOPS_HOME", None)
+        else:
+            os.environ["NODEOPS_HOME"] = before
+
+
 @pytest.fixture(scope="session")
 def sandbox_cluster() -> Iterator[sandbox.Sandbox]:
     yield from own_sandbox(SESSION_NAME, 3, SESSION_SUBNET)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeops.backends import store
 from nodeops.node import protocol as P
 from nodeops.sandbox import cluster as sandbox
 
@@ -307,14 +308,14 @@ def test_a_runner_changed_since_setup_is_refused_until_setup_provides_it(
     after that fix, the same launch runs."""
     (tmp_path / "edited").mkdir()
     spec = variant_spec(project, tmp_path / "edited" / "cluster.yaml", extra="launch: {runner: mpirun}\n")
-    runs_before = set((Path.home() / ".nodeops" / "jobs").iterdir())
+    runs_before = set(store.jobs_dir().iterdir())
     p = launch(spec, "--", "ddp_train.py", "--steps", "3")
     assert p.returncode == 2, p.stderr[-3000:]
     assert "the spec changed since the last setup" in p.stderr and "nothing was started" in p.stderr, p.stderr
     said = "launch.runner: mpirun: needs openmpi-bin, which setup has not installed (on node1, node2, node3)"
     assert said in p.stderr, p.stderr
     assert f"fix: nodeops setup {spec} --tags packages" in p.stderr, p.stderr
-    assert set((Path.home() / ".nodeops" / "jobs").iterdir()) == runs_before
+    assert set(store.jobs_dir().iterdir()) == runs_before
     assert leftovers(sandbox_cluster) == CLEAN
     s = subprocess.run([NODEOPS, "setup", str(spec), "--tags", "packages"], capture_output=True, text=True,
                        timeout=900, check=False, env={**os.environ, "NODEOPS_IT_SECRET": SECRET})  # fmt: skip
