@@ -42,6 +42,7 @@ BRIDGE_PREFIXES = ("docker", "br-", "veth", "virbr", "cni", "flannel", "cali", "
 CLOCK_WARN_S = 1.0
 NOFILE_WARN = 8192  # the usual soft default is 1024; env.sh raises soft to hard for jobs
 SHM_WARN = 1 << 30
+NEIGH_SPARE = 128  # neighbour entries beside the peers: the gateway, storage, the controller
 DISK_WARN, DISK_FAIL = 10 << 30, 1 << 30
 
 
@@ -250,6 +251,7 @@ def _node_rows(
     rows.append(Row(h, "ulimit -n", WARN if soft < NOFILE_WARN else OK,
                     f"{soft}" + (f" (< {NOFILE_WARN}; DataLoader workers and NCCL can run out)" if soft < NOFILE_WARN
                                  else "")))  # fmt: skip
+    rows += neighbour_rows(h, f, len(spec.nodes))
     shm = f.get("shm_bytes")
     if shm is None:
         rows.append(Row(h, "/dev/shm", WARN, "no /dev/shm"))
@@ -264,6 +266,33 @@ def _node_rows(
     if not f.get("env_file"):
         rows.append(Row(h, "env file", WARN, "no cluster env file (NCCL/GLOO settings); run `nodeops setup`"))
     return rows
+
+
+def neighbour_rows(h: str, f: dict[str, Any], n_nodes: int) -> list[Row]:
+    """Whether the kernel's neighbour (ARP) table can hold every other node of the cluster. On one
+    flat network each peer a node talks to takes an entry (every node talks to the chief's store;
+    gloo's full mesh and all-to-all talk to every node). Past ``gc_thresh3`` (1,024 by default)
+    the kernel says "neighbor table overflow" and new connections fail with "No route to host".
+    No row where the limit is not visible (a container's network namespace: the host's applies)."""
+    limit = f.get("neigh_limit")
+    route = f.get("route") or {}
+    if not isinstance(limit, int) or "error" in route:
+        return []
+    peers = n_nodes - 1
+    family = "ipv6" if ":" in str(route.get("src", "")) else "ipv4"
+    if route.get("via"):
+        return [Row(h, "neighbours", OK, f"the chief is reached through the gateway {route['via']}: "
+                                         "peers take no neighbour entry each")]  # fmt: skip
+    need = peers + NEIGH_SPARE
+    if limit >= need:
+        return [Row(h, "neighbours", OK, f"gc_thresh3 {limit}: room for {peers} peer(s) on {route.get('dev')}'s link")]
+    why = (
+        f"gc_thresh3 {limit}, but {peers} peer(s) share {route.get('dev')}'s link (about {need} neighbour entries "
+        f"with the gateway and others): a job whose ranks all connect to each other fails with 'No route to "
+        f"host'. Raise it (as root): sysctl -w net.{family}.neigh.default.gc_thresh3={2 * need} "
+        f"net.{family}.neigh.default.gc_thresh2={need} net.{family}.neigh.default.gc_thresh1={need // 4}"
+    )
+    return [Row(h, "neighbours", WARN, why)]
 
 
 def _gpu_row(node: Any, h: str, f: dict[str, Any], env: dict[str, Any], v: dict[str, str],

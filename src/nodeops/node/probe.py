@@ -168,7 +168,18 @@ def route_to(address: str) -> dict[str, object]:
         for link in json.loads(out) if rc == 0 else []:
             if any(a.get("local") == address for a in link.get("addr_info", [])):
                 dev, src = link.get("ifname", dev), address
-    return {"dev": dev, "src": src}
+    return {"dev": dev, "src": src, "via": r.get("gateway", "")}
+
+
+def neighbour_limit(address: str) -> int | None:
+    """The kernel's hard limit on neighbour (ARP/NDP) entries (``gc_thresh3``) for ``address``'s
+    family; None where this network namespace does not show it (a container: the host's applies)."""
+    family = "ipv6" if ":" in address else "ipv4"
+    try:
+        with open(f"/proc/sys/net/{family}/neigh/default/gc_thresh3") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def connect(address: str, port: int, nonce: str, name: str) -> dict[str, object]:
@@ -255,6 +266,7 @@ def node_facts(plan: dict[str, Any]) -> dict[str, Any]:
         path = os.path.join(wd or home, os.path.expanduser(plan["script"]))
         f["script"] = {"path": path, "exists": os.path.isfile(path)}
     f["route"] = route_to(plan["chief_address"])
+    f["neigh_limit"] = neighbour_limit(plan["chief_address"])
     f["ports"] = {str(p): connect(plan["chief_address"], p, plan["nonce"], plan["name"]) for p in plan["ports"]}
     if not plan.get("fast"):
         rc, out, err = _run(["nvidia-smi", f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"], 30)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -315,3 +316,46 @@ def test_a_chief_whose_open_files_cannot_hold_the_supervisor_fails() -> None:
     assert check.chief_fd_rows("node1", {"nofile": [1024, 1048576], "env": {"nofile": [1048576, 1048576]}}, 1000) == []
     assert check.chief_fd_rows("node1", {"nofile": [1024, 1024]}, 64) == []
     assert check.chief_fd_rows("node1", None, 1000) == []
+
+
+def test_a_neighbour_table_too_small_for_the_cluster_warns_with_the_sysctl() -> None:
+    """Issue 43: on one flat network each peer takes a neighbour (ARP) entry; past gc_thresh3 new
+    connections fail with 'No route to host' (the 64-node sandbox met it on one shared kernel)."""
+    on_link = facts(neigh_limit=1024, route={"dev": "ens5", "src": "10.0.0.2", "via": ""})
+    (row,) = check.neighbour_rows("n2", on_link, 64)
+    assert row.status == "ok" and "gc_thresh3 1024" in row.detail and "63 peer(s) on ens5" in row.detail
+    (row,) = check.neighbour_rows("n2", on_link, 1000)
+    assert row.status == "warn", row
+    assert "999 peer(s)" in row.detail and "No route to host" in row.detail
+    assert "sysctl -w net.ipv4.neigh.default.gc_thresh3=2254 " in row.detail, row.detail
+    v6 = facts(neigh_limit=1024, route={"dev": "ens5", "src": "fd00::2", "via": ""})
+    assert "net.ipv6.neigh.default.gc_thresh3=" in check.neighbour_rows("n2", v6, 1000)[0].detail
+    # routed: the peers sit behind the gateway, one entry
+    routed = facts(neigh_limit=1024, route={"dev": "ens5", "src": "10.0.1.2", "via": "10.0.1.1"})
+    (row,) = check.neighbour_rows("n2", routed, 1000)
+    assert row.status == "ok" and "10.0.1.1" in row.detail
+    # not visible (a container's network namespace), or no route: no row rather than a guess
+    assert check.neighbour_rows("n2", facts(neigh_limit=None), 1000) == []
+    assert check.neighbour_rows("n2", facts(neigh_limit=1024, route={"error": "x"}), 1000) == []
+    # evaluate() carries the row for each node that shows its limit
+    spec = load_spec_text(CPU_SPEC).spec
+    small = facts(neigh_limit=1)
+    rep = check.evaluate(spec, result({"10.0.0.1": facts(neigh_limit=1024), "10.0.0.2": small, "10.0.0.3": facts()}))
+    assert status(rep, "10.0.0.1", "neighbours") == "ok" and status(rep, "10.0.0.2", "neighbours") == "warn"
+    assert rows_of(rep, "10.0.0.3", "neighbours") == []
+
+
+def test_the_probe_reads_the_kernels_neighbour_limit_and_none_inside_a_network_namespace() -> None:
+    """The real /proc of this machine; then a new network namespace (as a container's), which
+    does not show the limit."""
+    knob = Path("/proc/sys/net/ipv4/neigh/default/gc_thresh3")
+    if knob.exists():
+        assert probe.neighbour_limit("10.0.0.1") == int(knob.read_text())
+    code = f"import sys; sys.path.insert(0, {str(Path(probe.__file__).parent)!r}); import probe; " \
+           "print(probe.neighbour_limit('10.0.0.1'))"  # fmt: skip
+    p = subprocess.run(["unshare", "--net", "--map-root-user", sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=60, check=False)  # fmt: skip
+    if p.returncode != 0 and "unshare" in p.stderr:
+        pytest.skip(f"no network namespace here: {p.stderr.strip()}")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "None"
