@@ -19,6 +19,7 @@ from packaging.utils import canonicalize_name
 
 from nodeops.errors import NodeopsError, SpecError, SpecIssue
 from nodeops.quoting import ansible_yaml, sh_path, sh_word, ssh_args_options, ssh_config_value
+from nodeops.resources import fits_control_path
 from nodeops.setup import workdir
 from nodeops.spec import deepspeed
 from nodeops.spec.model import LoadedSpec, Node, PythonSpec, ResourceSpec, controller_path
@@ -360,14 +361,20 @@ def ssh_config_text(targets: Sequence[SshTarget], tag: str, header: str) -> str:
         lines.append(f"    StrictHostKeyChecking {'accept-new' if t.host_key_checking == 'accept-new' else 'yes'}")
         if t.proxy_jump:
             lines.append(f"    ProxyJump {q(t.proxy_jump)}")
-        lines += [
-            "    BatchMode yes",
-            "    ControlMaster auto",
-            f"    ControlPath ~/.ssh/nodeops-{tag}-%C",
-            "    ControlPersist 60s",
-            "",
-        ]
+        lines += ["    BatchMode yes", *control_lines(tag, t), ""]
     return "\n".join(lines)
+
+
+def control_lines(tag: str, t: SshTarget) -> list[str]:
+    """One ssh master per host and identity set (``tag``), its socket named by a digest of both:
+    ``~/.ssh/nodeops-<16 hex>`` (ssh's ``%C`` is 40 hex digits, and with the tag beside it a home
+    of more than 25 characters made the path too long for a socket). Where even this is too long
+    for a socket (a home of more than ~55 characters), no master: slower, but every ssh works."""
+    who = "\0".join([tag, t.address, str(t.port), t.user, t.proxy_jump])
+    path = f"~/.ssh/nodeops-{hashlib.sha256(who.encode()).hexdigest()[:16]}"
+    if not fits_control_path(path):
+        return ["    ControlMaster no"]
+    return ["    ControlMaster auto", f"    ControlPath {path}", "    ControlPersist 60s"]
 
 
 def ssh_target_from_record(alias: str, conn: Mapping[str, Any], pin_file: str = "") -> SshTarget:

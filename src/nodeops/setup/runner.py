@@ -29,7 +29,7 @@ from typing import Any
 
 from nodeops.errors import NodeopsError
 from nodeops.quoting import ansible_yaml, ssh_args_options
-from nodeops.resources import collections_path, data_dir, nodeops_home
+from nodeops.resources import collections_path, data_dir, fits_control_path, nodeops_home, private_tmp_dir
 from nodeops.setup.render import pins_digest
 
 # Ansible needs roughly this many file descriptors per fork (pipes, ssh control sockets);
@@ -148,9 +148,33 @@ def mitogen_strategy_dir(hosts: int = 1) -> Path | None:
     return d if d.is_dir() else None
 
 
-def ansible_cfg(forks: int, control_dir: Path, mitogen: Path | None = None) -> str:
+CONTROL_NAME = 10  # Ansible's own name for a host's socket: 10 hex digits of (host, port, user)
+
+
+def control_dir_for(identity: str) -> Path | None:
+    """The dir of one identity set's ssh masters: ``$NODEOPS_HOME/cp/<identity>``, or where that
+    makes a socket's path too long for ssh (a long home), ``/tmp/nodeops-<uid>/cp/<identity>``;
+    None when neither fits (the run then goes without ssh masters, slower but working)."""
+    for base in (nodeops_home(), private_tmp_dir()):
+        if base is None:
+            continue
+        d = base / "cp" / identity
+        if fits_control_path(str(d / ("x" * CONTROL_NAME))):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            return d
+    return None
+
+
+def ansible_cfg(forks: int, control_dir: Path | None, mitogen: Path | None = None) -> str:
     """Tuned settings: pipelining, ControlPersist, no implicit fact gathering, pinned host keys,
-    and mitogen's strategy when available."""
+    and mitogen's strategy when available. Each host's ssh master is a socket in ``control_dir``
+    named by Ansible (10 hex digits: a short path, see :func:`control_dir_for`); with no
+    ``control_dir``, no masters."""
+    mux = (
+        ["ssh_args = -o ControlMaster=auto -o ControlPersist=120s -o PreferredAuthentications=publickey",
+         f"control_path_dir = {control_dir}"] if control_dir is not None else
+        ["ssh_args = -o ControlMaster=no -o PreferredAuthentications=publickey"]
+    )  # fmt: skip
     strategy = [f"strategy_plugins = {mitogen}", "strategy = mitogen_linear"] if mitogen else []
     return "\n".join(
         [
@@ -168,9 +192,7 @@ def ansible_cfg(forks: int, control_dir: Path, mitogen: Path | None = None) -> s
             "",
             "[ssh_connection]",
             "pipelining = True",
-            "ssh_args = -o ControlMaster=auto -o ControlPersist=120s -o PreferredAuthentications=publickey",
-            f"control_path_dir = {control_dir}",
-            "control_path = %(directory)s/%%C",
+            *mux,
             "",
         ]
     )
@@ -253,8 +275,7 @@ def run_playbook(
     (pdd / "inventory" / "hosts.yml").write_text(ansible_yaml(dict(inventory)))
     # ssh masters per identity set: runs with other keys, users, ssh options or host-key pins never
     # share a connection (a master checked the host key once; a run with other pins must check again).
-    control_dir = runs_dir().parent / "cp" / connection_identity(host_vars.values())
-    control_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    control_dir = control_dir_for(connection_identity(host_vars.values()))
     forks = forks_for(len(hosts_all), raise_fd_limit())
     (pdd / "ansible.cfg").write_text(
         cfg if cfg is not None else ansible_cfg(forks, control_dir, mitogen_strategy_dir(len(hosts_all)))

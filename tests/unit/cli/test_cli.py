@@ -427,7 +427,7 @@ def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
     a = control_path(spec_with_key(tmp_path, tmp_path / "k1"))
     b = control_path(spec_with_key(tmp_path, tmp_path / "k2"))
     c = control_path(spec_with_key(tmp_path, tmp_path / "k1", name="c2"))
-    assert len({a, b, c}) == 3 and all(p.startswith("~/.ssh/nodeops-") and p.endswith("-%C") for p in (a, b, c))
+    assert len({a, b, c}) == 3 and all(re.fullmatch(r"~/\.ssh/nodeops-[0-9a-f]{16}", p) for p in (a, b, c))
     assert control_path(spec_with_key(tmp_path, tmp_path / "k1")) == a  # stable
     # other host-key pins never ride a master that another pin set let in: the file, and its content
     pins = tmp_path / "known_hosts"
@@ -437,6 +437,26 @@ def test_control_sockets_are_per_cluster_and_key(tmp_path: Path) -> None:
     d = control_path(spec)
     pins.write_text("")
     assert control_path(spec) != d
+
+
+def test_a_home_too_long_for_a_socket_path_goes_without_ssh_masters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """~/.ssh/nodeops-<16 hex> fits a socket's path (with ssh's 17-character temp suffix) for a
+    home of up to ~55 characters; beyond, the generated ssh_config has no master rather than an
+    ssh that fails every connection."""
+    from nodeops.resources import fits_control_path
+    from nodeops.setup.render import ssh_config
+    from nodeops.spec.loading import load_spec
+
+    spec = spec_with_key(tmp_path, tmp_path / "k1")
+    monkeypatch.setenv("HOME", "/home/" + "a" * 48)
+    text = ssh_config(load_spec(spec))
+    path = next(ln.split()[1] for ln in text.splitlines() if "ControlPath" in ln)
+    assert fits_control_path(path) and "ControlMaster auto" in text
+    monkeypatch.setenv("HOME", "/home/" + "a" * 60)
+    text = ssh_config(load_spec(spec))
+    assert "ControlPath" not in text and "ControlPersist" not in text and "ControlMaster no" in text
 
 
 def test_runner_control_dir_changes_with_the_pins(tmp_path: Path) -> None:

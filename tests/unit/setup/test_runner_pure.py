@@ -200,3 +200,48 @@ def test_each_source_tree_gets_its_own_collection_link(tmp_path: Path, monkeypat
     monkeypatch.undo()
     assert resources.collections_path(tmp_path) == mine  # the first link was never touched
     assert (mine / "ansible_collections/nodeops/cluster").resolve() == resources.collection_root().resolve()
+
+
+def test_ssh_sockets_fit_a_unix_socket_path_or_go_elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ControlPath of more than 86 bytes fails every ssh ("unix_listener: path ... too long for
+    Unix domain socket"): CI met it with NODEOPS_HOME under pytest's temp dir, %C's 40 hex digits
+    and ssh's 17-character temp suffix (108 bytes)."""
+    from ansible.plugins.connection.ssh import Connection
+
+    met = "/tmp/pytest-of-root/pytest-109/home0/cp/53232bc85f/76b75e0a51f9e7e44e50d880bff3e4b4e0b7c1d0"
+    assert len(met) + resources.MUX_SUFFIX == 108 and not resources.fits_control_path(met)
+    assert resources.fits_control_path("/" + "x" * (resources.SOCKET_PATH_MAX - resources.MUX_SUFFIX - 1))
+    assert not resources.fits_control_path("/" + "x" * (resources.SOCKET_PATH_MAX - resources.MUX_SUFFIX))
+    # Ansible names each host's socket itself when ansible.cfg sets no control_path: 10 hex digits
+    name = Connection._create_control_path("10.0.0.1", 22, "debian") % {"directory": ""}
+    assert len(name.lstrip("/")) == runner.CONTROL_NAME
+    cfg = runner.ansible_cfg(8, tmp_path, None)
+    assert "control_path =" not in cfg and f"control_path_dir = {tmp_path}" in cfg
+
+    # the usual place, NODEOPS_HOME/cp/<identity>, where it fits
+    monkeypatch.setenv("NODEOPS_HOME", "/tmp/nh-short")
+    monkeypatch.setattr(runner, "private_tmp_dir", lambda: Path("/tmp/nodeops-1000"))
+    monkeypatch.setattr(Path, "mkdir", lambda *a, **k: None)
+    assert runner.control_dir_for("0123456789") == Path("/tmp/nh-short/cp/0123456789")
+    # a long home: the user's own dir in /tmp; neither: no masters at all, and ansible.cfg says so
+    monkeypatch.setenv("NODEOPS_HOME", "/home/" + "x" * 60)
+    assert runner.control_dir_for("0123456789") == Path("/tmp/nodeops-1000/cp/0123456789")
+    monkeypatch.setattr(runner, "private_tmp_dir", lambda: None)
+    assert runner.control_dir_for("0123456789") is None
+    cfg = runner.ansible_cfg(8, None, None)
+    assert "ControlMaster=no" in cfg and "ControlPersist" not in cfg and "control_path_dir" not in cfg
+
+
+def test_the_private_tmp_dir_is_used_only_when_it_is_this_users_and_closed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    monkeypatch.setattr(resources, "Path", lambda *_a: tmp_path)  # /tmp -> tmp_path
+    d = tmp_path / f"nodeops-{os.getuid()}"
+    assert resources.private_tmp_dir() == d and (d.stat().st_mode & 0o777) == 0o700
+    d.chmod(0o777)  # open to others: a socket there could be another user's
+    assert resources.private_tmp_dir() is None
+    d.rmdir()
+    d.symlink_to(tmp_path)  # a link planted there
+    assert resources.private_tmp_dir() is None
