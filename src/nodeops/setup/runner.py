@@ -155,7 +155,8 @@ def control_dir_for(identity: str) -> Path | None:
     """The dir of one identity set's ssh masters: ``$NODEOPS_HOME/cp/<identity>``, or where that
     makes a socket's path too long for ssh (a long home), ``/tmp/nodeops-<uid>/cp/<identity>``;
     None when neither fits (the run then goes without ssh masters, slower but working)."""
-    for base in (nodeops_home(), private_tmp_dir()):
+    for where in (nodeops_home, private_tmp_dir):  # the second is made only when the first is too long
+        base = where()
         if base is None:
             continue
         d = base / "cp" / identity

@@ -220,9 +220,11 @@ def test_ssh_sockets_fit_a_unix_socket_path_or_go_elsewhere(tmp_path: Path, monk
 
     # the usual place, NODEOPS_HOME/cp/<identity>, where it fits
     monkeypatch.setenv("NODEOPS_HOME", "/tmp/nh-short")
-    monkeypatch.setattr(runner, "private_tmp_dir", lambda: Path("/tmp/nodeops-1000"))
+    made: list[Path] = []
+    monkeypatch.setattr(runner, "private_tmp_dir", lambda: made.append(Path("/tmp/nodeops-1000")) or made[-1])
     monkeypatch.setattr(Path, "mkdir", lambda *a, **k: None)
     assert runner.control_dir_for("0123456789") == Path("/tmp/nh-short/cp/0123456789")
+    assert made == []  # the /tmp dir is made only when needed
     # a long home: the user's own dir in /tmp; neither: no masters at all, and ansible.cfg says so
     monkeypatch.setenv("NODEOPS_HOME", "/home/" + "x" * 60)
     assert runner.control_dir_for("0123456789") == Path("/tmp/nodeops-1000/cp/0123456789")
