@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from functools import cache
 from pathlib import Path
 
@@ -18,33 +17,6 @@ _PKG = Path(__file__).resolve().parent
 def nodeops_home() -> Path:
     """nodeops' own state on this machine: ``$NODEOPS_HOME``, else ``~/.nodeops``."""
     return Path(os.environ.get("NODEOPS_HOME") or Path.home() / ".nodeops")
-
-
-# A Unix socket's path holds at most 103 bytes on macOS (104 with its NUL; 107 on Linux), and ssh
-# binds a master's socket at PATH.<16 random characters> before renaming it to PATH: a ControlPath
-# longer than 86 bytes fails every connection ("unix_listener: ... too long for Unix domain socket").
-SOCKET_PATH_MAX = 103
-MUX_SUFFIX = len(".0123456789abcdef")
-
-
-def fits_control_path(path: str) -> bool:
-    """Whether ssh can bind a master's socket at ``path`` (expanded) on every platform."""
-    return len(os.fsencode(os.path.expanduser(path))) + MUX_SUFFIX <= SOCKET_PATH_MAX
-
-
-def private_tmp_dir() -> Path | None:
-    """``/tmp/nodeops-<uid>``: a short dir of this user's own (mode 0700) for ssh's control
-    sockets where the usual place makes their paths too long; None when it cannot be made ours
-    (someone else's, a symlink, or open to others: a socket there could be another's)."""
-    d = Path("/tmp") / f"nodeops-{os.getuid()}"
-    try:
-        d.mkdir(mode=0o700, exist_ok=True)
-        st = os.lstat(d)
-    except OSError:
-        return None
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        return None
-    return d
 
 
 @cache

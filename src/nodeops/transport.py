@@ -4,10 +4,15 @@ that reaches a host through a cluster's generated ssh_config."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
+import os
+import pwd
 import resource
 import socket
-from collections.abc import Callable, Hashable, Sequence
+import stat
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from functools import cache
 from pathlib import Path
 from typing import TypeVar
 
@@ -108,6 +113,7 @@ def ssh_argv(ssh_config: Path, host: str, *command: str, connect_timeout: int | 
     """ssh to a host through the cluster's generated ssh_config (strict host keys, multiplexed).
     ``connect_timeout``: seconds for the connection and its handshake, instead of the usual 10
     (ssh keeps an option's first value: this one comes before them)."""
+    ensure_ssh_dir()  # where the ssh_config's masters live (once per process)
     first = ["-o", f"ConnectTimeout={connect_timeout}"] if connect_timeout is not None else []
     opts = [a for o in P.SSH_TIMEOUTS for a in ("-o", o)]
     return ["ssh", "-F", str(ssh_config), *first, *opts, host, *command]
@@ -129,3 +135,59 @@ def tcp_reason(address: str, port: int, timeout: float = 5.0) -> str:
         return f"connecting to {address}:{port} timed out after {timeout:g}s"
     except OSError as e:
         return f"{address}:{port}: {e.strerror or e}"
+
+
+# A Unix socket's path holds at most 103 bytes on macOS (104 with its NUL; 107 on Linux), and ssh
+# binds a master's socket at PATH.<16 random characters> before renaming it to PATH: a ControlPath
+# longer than 86 bytes fails every connection ("unix_listener: ... too long for Unix domain socket").
+SOCKET_PATH_MAX = 103
+MUX_SUFFIX = len(".0123456789abcdef")
+
+
+def ssh_home() -> str:
+    """The home ssh expands ``~`` to: the user's entry in the passwd database, not ``$HOME``."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_dir
+    except KeyError:  # no entry (a container's arbitrary uid): ssh then uses $HOME
+        return os.path.expanduser("~")
+
+
+def fits_control_path(path: str) -> bool:
+    """Whether ssh can bind a master's socket at ``path`` on every platform (``~`` as ssh
+    expands it; the length that counts is the string's, whatever links it goes through)."""
+    if path == "~" or path.startswith("~/"):
+        path = ssh_home() + path[1:]
+    return len(os.fsencode(path)) + MUX_SUFFIX <= SOCKET_PATH_MAX
+
+
+def own_dir(d: Path) -> Path | None:
+    """``d``, made (mode 0700) where missing, if it is a real dir of this user's that no one else
+    may enter; else None (someone else's, a symlink, or open to others: a socket there could be
+    another's)."""
+    try:
+        d.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(d)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return d
+
+
+def short_private_dirs() -> Iterator[Path]:
+    """Short dirs of this user's own for ssh's control sockets where the usual place makes their
+    paths too long: ``$XDG_RUNTIME_DIR/nodeops`` (``/run/user/<uid>``: private by design), then
+    ``/tmp/nodeops-<uid>``; each made only when asked for, and only if it is this user's alone."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    for d in ([Path(runtime) / "nodeops"] if runtime else []) + [Path("/tmp") / f"nodeops-{os.getuid()}"]:
+        mine = own_dir(d)
+        if mine is not None:
+            yield mine
+
+
+@cache
+def ensure_ssh_dir() -> None:
+    """ssh binds its masters' sockets in ``~/.ssh`` (the generated ssh_config's ControlPath): on a
+    controller that never used ssh it does not exist, and every connection would fail."""
+    with contextlib.suppress(OSError):
+        Path(ssh_home(), ".ssh").mkdir(mode=0o700, exist_ok=True)

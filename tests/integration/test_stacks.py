@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeops.backends import store
 from nodeops.sandbox import cluster as sandbox
 
 from .conftest import one_group_stacks
@@ -54,7 +55,7 @@ def test_hang_watchdog_names_the_stuck_rank_and_stops_the_run(
     assert stall is not None and int(stall.group(1)) <= 15, p.stderr[-3000:]
     assert p.stderr.index("==> stall:") < p.stderr.index("HUNG:")
     run_id = re.search(r"==> run (\S+): starting", p.stderr).group(1)  # type: ignore[union-attr]
-    hang = json.loads((Path.home() / ".nodeops" / "jobs" / run_id / "stacks" / "hang.json").read_text())
+    hang = json.loads((store.jobs_dir() / run_id / "stacks" / "hang.json").read_text())
     assert sorted(d["rank"] for d in hang["dumps"]) == [0, 1, 2]
     assert all(d["method"] in ("py-spy", "signal") for d in hang["dumps"]), hang["dumps"]
     assert no_leftovers_within(sandbox_cluster, 10) == CLEAN
@@ -80,7 +81,7 @@ def test_detached_hang_is_judged_on_the_chief_and_status_says_hung(
     assert re.search(
         r"stall: last progress at [\d:]+; reported \+[\d.]+ s; .*: rank 0 \(node1\) has made", st.stderr
     ), st.stderr
-    assert (Path.home() / ".nodeops" / "jobs" / run_id / "stacks" / "hang.json").is_file()
+    assert (store.jobs_dir() / run_id / "stacks" / "hang.json").is_file()
     assert no_leftovers_within(sandbox_cluster, 15) == CLEAN
 
 

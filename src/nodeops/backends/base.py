@@ -123,6 +123,7 @@ class RunState:
     detail: str = ""
     exit_code: int | None = None
     verdict: bool = False  # the state is a final verdict (else inferred)
+    reached: bool = True  # False: ssh never reached where the run is controlled (its chief is gone, say)
 
 
 class Backend(abc.ABC):

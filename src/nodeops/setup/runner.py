@@ -13,12 +13,14 @@ import contextlib
 import difflib
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import re
 import resource
 import secrets as _secrets
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -29,8 +31,9 @@ from typing import Any
 
 from nodeops.errors import NodeopsError
 from nodeops.quoting import ansible_yaml, ssh_args_options
-from nodeops.resources import collections_path, data_dir, fits_control_path, nodeops_home, private_tmp_dir
+from nodeops.resources import collections_path, data_dir, nodeops_home
 from nodeops.setup.render import pins_digest
+from nodeops.transport import fits_control_path, short_private_dirs
 
 # Ansible needs roughly this many file descriptors per fork (pipes, ssh control sockets);
 # with the usual soft limit of 1024, more than ~74 forks fail with "Too many open files".
@@ -153,13 +156,12 @@ CONTROL_NAME = 10  # Ansible's own name for a host's socket: 10 hex digits of (h
 
 def control_dir_for(identity: str) -> Path | None:
     """The dir of one identity set's ssh masters: ``$NODEOPS_HOME/cp/<identity>``, or where that
-    makes a socket's path too long for ssh (a long home), ``/tmp/nodeops-<uid>/cp/<identity>``;
-    None when neither fits (the run then goes without ssh masters, slower but working)."""
-    for where in (nodeops_home, private_tmp_dir):  # the second is made only when the first is too long
-        base = where()
-        if base is None:
-            continue
-        d = base / "cp" / identity
+    makes a socket's path too long for ssh (a long home), the same under a short private dir
+    (:func:`nodeops.resources.short_private_dirs`); None when none fits (the run then goes
+    without ssh masters, slower but working). The path is checked as Ansible will use it:
+    resolved (``unfrackpath``: ~, variables, links), so it is returned resolved."""
+    for base in itertools.chain([nodeops_home()], short_private_dirs()):  # lazily: made only if needed
+        d = Path(os.path.realpath(os.path.expandvars(os.path.expanduser(base / "cp" / identity))))
         if fits_control_path(str(d / ("x" * CONTROL_NAME))):
             d.mkdir(mode=0o700, parents=True, exist_ok=True)
             return d
@@ -213,7 +215,8 @@ def connection_identity(host_vars: Iterable[Mapping[str, Any]]) -> str:
         ids.add(f"{hv.get('ansible_user', '')}:{hv.get('ansible_ssh_private_key_file', '')}:{args}")
         with contextlib.suppress(ValueError):  # unbalanced quotes: Ansible says so; the args are in ids
             pins.add(ssh_args_options(args).get("userknownhostsfile", ""))
-    return hashlib.sha256("\0".join([*sorted(ids), pins_digest(pins)]).encode()).hexdigest()[:10]
+    # this machine's name too: a home shared over NFS by two controllers keeps their masters apart
+    return hashlib.sha256("\0".join([socket.gethostname(), *sorted(ids), pins_digest(pins)]).encode()).hexdigest()[:10]
 
 
 # ssh's own reason inside Ansible's message, e.g. 'Data could not be sent to remote host "X".

@@ -445,16 +445,16 @@ def test_a_home_too_long_for_a_socket_path_goes_without_ssh_masters(
     """~/.ssh/nodeops-<16 hex> fits a socket's path (with ssh's 17-character temp suffix) for a
     home of up to ~55 characters; beyond, the generated ssh_config has no master rather than an
     ssh that fails every connection."""
-    from nodeops.resources import fits_control_path
+    from nodeops import transport
     from nodeops.setup.render import ssh_config
     from nodeops.spec.loading import load_spec
 
     spec = spec_with_key(tmp_path, tmp_path / "k1")
-    monkeypatch.setenv("HOME", "/home/" + "a" * 48)
+    monkeypatch.setattr(transport, "ssh_home", lambda: "/home/" + "a" * 48)  # the passwd entry's, as ssh's ~
     text = ssh_config(load_spec(spec))
     path = next(ln.split()[1] for ln in text.splitlines() if "ControlPath" in ln)
-    assert fits_control_path(path) and "ControlMaster auto" in text
-    monkeypatch.setenv("HOME", "/home/" + "a" * 60)
+    assert transport.fits_control_path(path) and "ControlMaster auto" in text
+    monkeypatch.setattr(transport, "ssh_home", lambda: "/home/" + "a" * 60)
     text = ssh_config(load_spec(spec))
     assert "ControlPath" not in text and "ControlPersist" not in text and "ControlMaster no" in text
 

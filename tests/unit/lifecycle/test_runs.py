@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -229,3 +231,56 @@ def test_the_chief_probe_says_verdict_gone_running_or_ended(tmp_path: Path) -> N
         proc.kill()
         proc.wait()
     assert said == {"verdict": "verdict", "gone": "gone", "running": "running", "ended": "ended"}
+
+
+def test_runs_of_a_cluster_that_is_gone_cost_one_connection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records pile up of clusters since torn down: `stop` and `runs` ask each run's chief, and
+    each ask waited for ssh's connection to fail (600 records: 10 rounds of 64). Now the newest
+    run of each place is asked first, and the rest of a place that ssh did not reach take its
+    answer. Real ssh, against two local listeners that count connections and close each one."""
+    monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "home"))
+    counts: dict[int, int] = {}
+
+    def listener() -> int:
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(64)
+        port = srv.getsockname()[1]
+        counts[port] = 0
+
+        def serve() -> None:
+            while True:
+                conn, _ = srv.accept()
+                counts[port] += 1
+                conn.close()  # ssh: "Connection closed by remote host", exit 255
+
+        threading.Thread(target=serve, daemon=True).start()
+        return port
+
+    places = {"a": listener(), "b": listener()}
+    ids: dict[str, list[str]] = {"a": [], "b": []}
+    for i, place in enumerate("aaaaabb"):
+        run_id = f"20261101-1015{i:02d}-ab{i:02d}"
+        d = store.jobs_dir() / run_id
+        d.mkdir()
+        job = store.Job(run_id=run_id, dir=d, hosts=["node1"], argv=["t.py"], runner="torchrun", chief="node1",
+                        started=time.time() - 100 + i)  # fmt: skip
+        job.save()
+        (d / "ssh_config").write_text(
+            f"Host node1\n    HostName 127.0.0.1\n    Port {places[place]}\n    BatchMode yes\n"
+            f"    UserKnownHostsFile {tmp_path / 'kh'}\n    StrictHostKeyChecking yes\n"
+        )
+        ids[place].append(run_id)
+    found = R.local_runs()
+    assert len(found) == 7
+    R.refresh(found, connect_timeout=3)
+    assert counts == {places["a"]: 1, places["b"]: 1}, counts
+    by_id = {r.job.run_id: r for r in found}
+    for place, run_ids in ids.items():
+        newest, *rest = sorted(run_ids, reverse=True)  # the newest of each place was asked
+        assert by_id[newest].state == "unreachable" and not by_id[newest].reached
+        assert "node1: " in by_id[newest].detail and "not asked" not in by_id[newest].detail
+        for run_id in rest:
+            r = by_id[run_id]
+            assert r.state == "unreachable" and not r.reached, (place, r)
+            assert r.detail == f"{by_id[newest].detail} (not asked: ssh did not reach it for run {newest})"

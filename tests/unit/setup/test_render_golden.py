@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeops import transport
 from nodeops.backends import render_files as render
 from nodeops.spec.loading import load_spec
 
@@ -33,8 +34,10 @@ def _render(path: Path) -> dict[str, str]:
 @pytest.mark.parametrize("path", CASES, ids=lambda p: p.name)
 def test_render_matches_golden(path: Path, update_golden: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # ssh_config's ControlPath digests the contents of the known_hosts files a spec names
-    # (render.pins_digest): an empty home makes them "missing" on every machine. A short one, as
-    # most are: past ~55 characters ssh_config goes without masters (render.control_lines).
+    # (render.pins_digest): an empty $HOME makes them "missing" on every machine. The ~ of a
+    # ControlPath is ssh's (the passwd entry's home): one short home for it, on every machine
+    # (past ~55 characters ssh_config goes without masters: render.control_lines).
+    monkeypatch.setattr(transport, "ssh_home", lambda: "/home/test")
     with tempfile.TemporaryDirectory(prefix="home", dir="/tmp") as home:
         monkeypatch.setenv("HOME", home)
         files = _render(path)

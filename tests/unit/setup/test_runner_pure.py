@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from nodeops import resources
+from nodeops import resources, transport
 from nodeops.setup import fast, runner
 
 
@@ -209,41 +211,58 @@ def test_ssh_sockets_fit_a_unix_socket_path_or_go_elsewhere(tmp_path: Path, monk
     from ansible.plugins.connection.ssh import Connection
 
     met = "/tmp/pytest-of-root/pytest-109/home0/cp/53232bc85f/76b75e0a51f9e7e44e50d880bff3e4b4e0b7c1d0"
-    assert len(met) + resources.MUX_SUFFIX == 108 and not resources.fits_control_path(met)
-    assert resources.fits_control_path("/" + "x" * (resources.SOCKET_PATH_MAX - resources.MUX_SUFFIX - 1))
-    assert not resources.fits_control_path("/" + "x" * (resources.SOCKET_PATH_MAX - resources.MUX_SUFFIX))
+    assert len(met) + transport.MUX_SUFFIX == 108 and not transport.fits_control_path(met)
+    assert transport.fits_control_path("/" + "x" * (transport.SOCKET_PATH_MAX - transport.MUX_SUFFIX - 1))
+    assert not transport.fits_control_path("/" + "x" * (transport.SOCKET_PATH_MAX - transport.MUX_SUFFIX))
+    # ~ is the home ssh uses (the passwd entry), not $HOME
+    monkeypatch.setattr(transport, "ssh_home", lambda: "/h")
+    monkeypatch.setenv("HOME", "/" + "x" * 200)
+    assert transport.fits_control_path("~/.ssh/nodeops-0123456789abcdef")
     # Ansible names each host's socket itself when ansible.cfg sets no control_path: 10 hex digits
     name = Connection._create_control_path("10.0.0.1", 22, "debian") % {"directory": ""}
     assert len(name.lstrip("/")) == runner.CONTROL_NAME
     cfg = runner.ansible_cfg(8, tmp_path, None)
     assert "control_path =" not in cfg and f"control_path_dir = {tmp_path}" in cfg
 
-    # the usual place, NODEOPS_HOME/cp/<identity>, where it fits
-    monkeypatch.setenv("NODEOPS_HOME", "/tmp/nh-short")
+    # the usual place, NODEOPS_HOME/cp/<identity>, where it fits; as Ansible resolves it (links)
     made: list[Path] = []
-    monkeypatch.setattr(runner, "private_tmp_dir", lambda: made.append(Path("/tmp/nodeops-1000")) or made[-1])
+
+    def private() -> Iterator[Path]:
+        made.append(Path("/tmp/nodeops-1000"))
+        yield made[-1]
+
+    monkeypatch.setattr(runner, "short_private_dirs", private)
+    monkeypatch.setenv("NODEOPS_HOME", "/tmp/nh-short")
     monkeypatch.setattr(Path, "mkdir", lambda *a, **k: None)
     assert runner.control_dir_for("0123456789") == Path("/tmp/nh-short/cp/0123456789")
-    assert made == []  # the /tmp dir is made only when needed
-    # a long home: the user's own dir in /tmp; neither: no masters at all, and ansible.cfg says so
+    assert made == []  # a private dir is made only when needed
+    # a short NODEOPS_HOME that links to a long dir: Ansible would use the long one
+    monkeypatch.undo()  # a real mkdir below
+    monkeypatch.setattr(runner, "short_private_dirs", private)
+    long_dir = tmp_path / ("l" * 60)
+    long_dir.mkdir()
+    link = Path("/tmp") / f"nh-link-{os.getpid()}"
+    link.symlink_to(long_dir)
+    try:
+        monkeypatch.setenv("NODEOPS_HOME", str(link))
+        monkeypatch.setattr(Path, "mkdir", lambda *a, **k: None)
+        assert runner.control_dir_for("0123456789") == Path("/tmp/nodeops-1000/cp/0123456789")
+    finally:
+        link.unlink()
+    # a long home: a private short dir; none: no masters at all, and ansible.cfg says so
     monkeypatch.setenv("NODEOPS_HOME", "/home/" + "x" * 60)
     assert runner.control_dir_for("0123456789") == Path("/tmp/nodeops-1000/cp/0123456789")
-    monkeypatch.setattr(runner, "private_tmp_dir", lambda: None)
+    monkeypatch.setattr(runner, "short_private_dirs", lambda: iter(()))
     assert runner.control_dir_for("0123456789") is None
     cfg = runner.ansible_cfg(8, None, None)
     assert "ControlMaster=no" in cfg and "ControlPersist" not in cfg and "control_path_dir" not in cfg
 
 
-def test_the_private_tmp_dir_is_used_only_when_it_is_this_users_and_closed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import os
-
-    monkeypatch.setattr(resources, "Path", lambda *_a: tmp_path)  # /tmp -> tmp_path
-    d = tmp_path / f"nodeops-{os.getuid()}"
-    assert resources.private_tmp_dir() == d and (d.stat().st_mode & 0o777) == 0o700
+def test_a_private_dir_is_used_only_when_it_is_this_users_and_closed(tmp_path: Path) -> None:
+    d = tmp_path / "mine"
+    assert transport.own_dir(d) == d and (d.stat().st_mode & 0o777) == 0o700
     d.chmod(0o777)  # open to others: a socket there could be another user's
-    assert resources.private_tmp_dir() is None
+    assert transport.own_dir(d) is None
     d.rmdir()
     d.symlink_to(tmp_path)  # a link planted there
-    assert resources.private_tmp_dir() is None
+    assert transport.own_dir(d) is None
