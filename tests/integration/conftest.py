@@ -63,9 +63,9 @@ def own_sandbox(name: str, n: int, subnet: str, slurm: bool = False) -> Iterator
 
 @pytest.fixture(scope="session", autouse=True)
 def nodeops_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The session's own NODEOPS_HOME (sandbox state, setup records, run records, ssh control
-    sockets): the tests never write into the user's ~/.nodeops, nor read what is there. Short
-    (pytest's base temp), because ssh's control sockets live under it (108-byte path limit)."""
+    """The session's own NODEOPS_HOME (sandbox state, setup records, run records, setup's ssh
+    control sockets): the tests neither write into the user's ~/.nodeops nor read what is there
+    (test_molecule alone uses ~/.nodeops/sandbox/molecule, as molecule's shared config says)."""
     home = tmp_path_factory.mktemp("home")
     before = os.environ.get("NODEOPS_HOME")
     os.environ["NODEOPS_HOME"] = str(home)

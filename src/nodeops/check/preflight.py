@@ -9,11 +9,13 @@ from the chief is the one reported.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import secrets
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -251,7 +253,7 @@ def _node_rows(
     rows.append(Row(h, "ulimit -n", WARN if soft < NOFILE_WARN else OK,
                     f"{soft}" + (f" (< {NOFILE_WARN}; DataLoader workers and NCCL can run out)" if soft < NOFILE_WARN
                                  else "")))  # fmt: skip
-    rows += neighbour_rows(h, f, len(spec.nodes))
+    rows += neighbour_rows(h, f, [n.address for n in spec.nodes if n is not node])
     shm = f.get("shm_bytes")
     if shm is None:
         rows.append(Row(h, "/dev/shm", WARN, "no /dev/shm"))
@@ -268,31 +270,48 @@ def _node_rows(
     return rows
 
 
-def neighbour_rows(h: str, f: dict[str, Any], n_nodes: int) -> list[Row]:
-    """Whether the kernel's neighbour (ARP) table can hold every other node of the cluster. On one
-    flat network each peer a node talks to takes an entry (every node talks to the chief's store;
-    gloo's full mesh and all-to-all talk to every node). Past ``gc_thresh3`` (1,024 by default)
-    the kernel says "neighbor table overflow" and new connections fail with "No route to host".
-    No row where the limit is not visible (a container's network namespace: the host's applies)."""
-    limit = f.get("neigh_limit")
+def neighbour_rows(h: str, f: dict[str, Any], peers_of: Sequence[str]) -> list[Row]:
+    """Whether the kernel's neighbour (ARP/NDP) table can hold this node's peers: every other
+    node of the spec (``peers_of``, addresses) in the subnet of its interface to the chief takes
+    an entry once the ranks connect (every node talks to the chief's store; gloo's full mesh
+    and all-to-all talk to every node); nodes behind a router take none. An address that is a
+    name counts as a peer. Past ``gc_thresh3`` (1,024 by default) the kernel says "neighbor
+    table overflow" and new connections fail with "No route to host". No row where the limit is
+    not visible (a container's network namespace: the host's applies)."""
+    neigh = f.get("neigh")
     route = f.get("route") or {}
-    if not isinstance(limit, int) or "error" in route:
+    if not isinstance(neigh, dict) or not isinstance(neigh.get("limit"), int) or "error" in route:
         return []
-    peers = n_nodes - 1
-    family = "ipv6" if ":" in str(route.get("src", "")) else "ipv4"
-    if route.get("via"):
-        return [Row(h, "neighbours", OK, f"the chief is reached through the gateway {route['via']}: "
-                                         "peers take no neighbour entry each")]  # fmt: skip
+    limit, family = neigh["limit"], neigh.get("family", "ipv4")
+    net = _network(str(route.get("net") or ""))
+    peers = sum(1 for a in peers_of if net is None or _in(a, net))
+    where = f"{route.get('dev')}'s subnet" + (f" {net}" if net is not None else "")
     need = peers + NEIGH_SPARE
     if limit >= need:
-        return [Row(h, "neighbours", OK, f"gc_thresh3 {limit}: room for {peers} peer(s) on {route.get('dev')}'s link")]
+        return [Row(h, "neighbours", OK, f"gc_thresh3 {limit}: room for {peers} peer(s) in {where}")]
     why = (
-        f"gc_thresh3 {limit}, but {peers} peer(s) share {route.get('dev')}'s link (about {need} neighbour entries "
-        f"with the gateway and others): a job whose ranks all connect to each other fails with 'No route to "
-        f"host'. Raise it (as root): sysctl -w net.{family}.neigh.default.gc_thresh3={2 * need} "
-        f"net.{family}.neigh.default.gc_thresh2={need} net.{family}.neigh.default.gc_thresh1={need // 4}"
+        f"gc_thresh3 {limit}, but {peers} peer(s) share {where} (about {need} neighbour entries with the "
+        f"gateway and others): a job whose ranks all connect to each other fails with 'No route to host'. "
+        f"Raise it (as root): sysctl -w net.{family}.neigh.default.gc_thresh3={2 * need} "
+        f"net.{family}.neigh.default.gc_thresh2={need} net.{family}.neigh.default.gc_thresh1={need // 4}, "
+        "and in /etc/sysctl.d/ to keep it after a reboot"
     )
     return [Row(h, "neighbours", WARN, why)]
+
+
+def _network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(text, strict=False) if text else None
+    except ValueError:
+        return None
+
+
+def _in(address: str, net: ipaddress.IPv4Network | ipaddress.IPv6Network) -> bool:
+    """Whether ``address`` is in ``net``; a name (not an address) counts as in it."""
+    try:
+        return ipaddress.ip_address(address) in net
+    except ValueError:
+        return True
 
 
 def _gpu_row(node: Any, h: str, f: dict[str, Any], env: dict[str, Any], v: dict[str, str],

@@ -163,21 +163,28 @@ def route_to(address: str) -> dict[str, object]:
     except (ValueError, IndexError):
         return {"error": "cannot parse `ip -j route get` output"}
     dev, src = r.get("dev", ""), r.get("prefsrc", "")
+    rc, out, _ = _run(["ip", "-j", "addr", "show"], 5)
+    links = json.loads(out) if rc == 0 else []
     if dev == "lo":  # the chief reaching itself: name the interface that holds the address
-        rc, out, _ = _run(["ip", "-j", "addr", "show"], 5)
-        for link in json.loads(out) if rc == 0 else []:
+        for link in links:
             if any(a.get("local") == address for a in link.get("addr_info", [])):
                 dev, src = link.get("ifname", dev), address
-    return {"dev": dev, "src": src, "via": r.get("gateway", "")}
+    net = ""  # the subnet of that interface's address: the peers in it are neighbours
+    for link in links:
+        for a in link.get("addr_info", []) if link.get("ifname") == dev else []:
+            if a.get("local") == src and a.get("prefixlen") is not None:
+                net = f"{src}/{a['prefixlen']}"
+    return {"dev": dev, "src": src, "via": r.get("gateway", ""), "net": net}
 
 
-def neighbour_limit(address: str) -> int | None:
+def neighbour_limit(address: str) -> dict[str, object] | None:
     """The kernel's hard limit on neighbour (ARP/NDP) entries (``gc_thresh3``) for ``address``'s
-    family; None where this network namespace does not show it (a container: the host's applies)."""
+    family, and the family; None where this network namespace does not show it (a container: the
+    host's applies)."""
     family = "ipv6" if ":" in address else "ipv4"
     try:
         with open(f"/proc/sys/net/{family}/neigh/default/gc_thresh3") as f:
-            return int(f.read())
+            return {"limit": int(f.read()), "family": family}
     except (OSError, ValueError):
         return None
 
@@ -266,7 +273,7 @@ def node_facts(plan: dict[str, Any]) -> dict[str, Any]:
         path = os.path.join(wd or home, os.path.expanduser(plan["script"]))
         f["script"] = {"path": path, "exists": os.path.isfile(path)}
     f["route"] = route_to(plan["chief_address"])
-    f["neigh_limit"] = neighbour_limit(plan["chief_address"])
+    f["neigh"] = neighbour_limit(plan["chief_address"])
     f["ports"] = {str(p): connect(plan["chief_address"], p, plan["nonce"], plan["name"]) for p in plan["ports"]}
     if not plan.get("fast"):
         rc, out, err = _run(["nvidia-smi", f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"], 30)

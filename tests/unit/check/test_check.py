@@ -9,6 +9,7 @@ seen in public nvidia-smi output (GPU UUIDs borrowed from public issue threads).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -320,37 +321,51 @@ def test_a_chief_whose_open_files_cannot_hold_the_supervisor_fails() -> None:
 
 def test_a_neighbour_table_too_small_for_the_cluster_warns_with_the_sysctl() -> None:
     """Issue 43: on one flat network each peer takes a neighbour (ARP) entry; past gc_thresh3 new
-    connections fail with 'No route to host' (the 64-node sandbox met it on one shared kernel)."""
-    on_link = facts(neigh_limit=1024, route={"dev": "ens5", "src": "10.0.0.2", "via": ""})
-    (row,) = check.neighbour_rows("n2", on_link, 64)
-    assert row.status == "ok" and "gc_thresh3 1024" in row.detail and "63 peer(s) on ens5" in row.detail
-    (row,) = check.neighbour_rows("n2", on_link, 1000)
+    connections fail with 'No route to host' (the 64-node sandbox met it on one shared kernel).
+    The peers are the spec's nodes in the subnet of the node's interface to the chief."""
+    v4 = {"limit": 1024, "family": "ipv4"}
+    flat = facts(neigh=v4, route={"dev": "ens5", "src": "10.0.0.2", "via": "", "net": "10.0.0.2/16"})
+    many = [f"10.0.{i // 250}.{i % 250 + 1}" for i in range(999)]
+    (row,) = check.neighbour_rows("n2", flat, many[:63])
+    assert row.status == "ok" and "gc_thresh3 1024" in row.detail and "63 peer(s) in ens5's subnet" in row.detail
+    (row,) = check.neighbour_rows("n2", flat, many)
     assert row.status == "warn", row
-    assert "999 peer(s)" in row.detail and "No route to host" in row.detail
+    assert "999 peer(s)" in row.detail and "No route to host" in row.detail and "/etc/sysctl.d/" in row.detail
     assert "sysctl -w net.ipv4.neigh.default.gc_thresh3=2254 " in row.detail, row.detail
-    v6 = facts(neigh_limit=1024, route={"dev": "ens5", "src": "fd00::2", "via": ""})
-    assert "net.ipv6.neigh.default.gc_thresh3=" in check.neighbour_rows("n2", v6, 1000)[0].detail
-    # routed: the peers sit behind the gateway, one entry
-    routed = facts(neigh_limit=1024, route={"dev": "ens5", "src": "10.0.1.2", "via": "10.0.1.1"})
-    (row,) = check.neighbour_rows("n2", routed, 1000)
-    assert row.status == "ok" and "10.0.1.1" in row.detail
+    # racks of /24s behind routers: only the node's own rack counts
+    rack = facts(neigh=v4, route={"dev": "ens5", "src": "10.0.1.2", "via": "10.0.1.1", "net": "10.0.1.2/24"})
+    (row,) = check.neighbour_rows("n2", rack, many)
+    assert row.status == "ok" and "250 peer(s) in ens5's subnet 10.0.1.0/24" in row.detail, row.detail
+    # names are counted as peers (where they are is not known); no subnet known: every node
+    (row,) = check.neighbour_rows("n2", rack, ["gpu-1", "gpu-2", "10.0.9.9"])
+    assert "2 peer(s)" in row.detail
+    nonet = facts(neigh=v4, route={"dev": "ens5", "src": "10.0.0.2"})
+    assert check.neighbour_rows("n2", nonet, many)[0].status == "warn"
+    # the family the probe read names the sysctl
+    v6 = facts(neigh={"limit": 1024, "family": "ipv6"}, route={"dev": "ens5", "src": "", "net": ""})
+    assert "net.ipv6.neigh.default.gc_thresh3=" in check.neighbour_rows("n2", v6, many)[0].detail
     # not visible (a container's network namespace), or no route: no row rather than a guess
-    assert check.neighbour_rows("n2", facts(neigh_limit=None), 1000) == []
-    assert check.neighbour_rows("n2", facts(neigh_limit=1024, route={"error": "x"}), 1000) == []
+    assert check.neighbour_rows("n2", facts(neigh=None), many) == []
+    assert check.neighbour_rows("n2", facts(neigh=v4, route={"error": "x"}), many) == []
     # evaluate() carries the row for each node that shows its limit
     spec = load_spec_text(CPU_SPEC).spec
-    small = facts(neigh_limit=1)
-    rep = check.evaluate(spec, result({"10.0.0.1": facts(neigh_limit=1024), "10.0.0.2": small, "10.0.0.3": facts()}))
+    small = facts(neigh={"limit": 1, "family": "ipv4"})
+    rep = check.evaluate(spec, result({"10.0.0.1": facts(neigh=v4), "10.0.0.2": small, "10.0.0.3": facts()}))
     assert status(rep, "10.0.0.1", "neighbours") == "ok" and status(rep, "10.0.0.2", "neighbours") == "warn"
+    assert "2 peer(s)" in rows_of(rep, "10.0.0.1", "neighbours")[0].detail
     assert rows_of(rep, "10.0.0.3", "neighbours") == []
 
 
 def test_the_probe_reads_the_kernels_neighbour_limit_and_none_inside_a_network_namespace() -> None:
     """The real /proc of this machine; then a new network namespace (as a container's), which
     does not show the limit."""
+    # the subnet the peers are counted in: the interface's own address and prefix (`ip -j addr`)
+    assert probe.route_to("127.0.0.1") == {"dev": "lo", "src": "127.0.0.1", "via": "", "net": "127.0.0.1/8"}
     knob = Path("/proc/sys/net/ipv4/neigh/default/gc_thresh3")
     if knob.exists():
-        assert probe.neighbour_limit("10.0.0.1") == int(knob.read_text())
+        assert probe.neighbour_limit("10.0.0.1") == {"limit": int(knob.read_text()), "family": "ipv4"}
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare here")
     code = f"import sys; sys.path.insert(0, {str(Path(probe.__file__).parent)!r}); import probe; " \
            "print(probe.neighbour_limit('10.0.0.1'))"  # fmt: skip
     p = subprocess.run(["unshare", "--net", "--map-root-user", sys.executable, "-c", code], capture_output=True,
