@@ -119,6 +119,20 @@ def ssh_argv(ssh_config: Path, host: str, *command: str, connect_timeout: int | 
     return ["ssh", "-F", str(ssh_config), *first, *opts, host, *command]
 
 
+# What ssh says when it never reached the host (no connection made): a cluster torn down, a
+# host off. Not an authentication or host-key failure (the host answered), and not a connection
+# dropped later, nor sshd's MaxStartups refusing one of many: those say nothing about the next.
+NOT_REACHED = (
+    "Connection timed out", "No route to host", "Connection refused", "Could not resolve hostname",
+    "Network is unreachable", "Name or service not known", "Temporary failure in name resolution",
+)  # fmt: skip
+
+
+def not_reached(stderr: str) -> bool:
+    """Whether ssh's own words say it never reached the host (see NOT_REACHED)."""
+    return any(w in stderr for w in NOT_REACHED)
+
+
 def last_line(text: str, default: str) -> str:
     """The last non-blank line of a command's stderr (ssh puts its reason there), or default."""
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]

@@ -253,7 +253,7 @@ def _node_rows(
     rows.append(Row(h, "ulimit -n", WARN if soft < NOFILE_WARN else OK,
                     f"{soft}" + (f" (< {NOFILE_WARN}; DataLoader workers and NCCL can run out)" if soft < NOFILE_WARN
                                  else "")))  # fmt: skip
-    rows += neighbour_rows(h, f, [n.address for n in spec.nodes if n is not node])
+    rows += neighbour_rows(h, f, [n.address for n in spec.nodes if n is not node], setting or "")
     shm = f.get("shm_bytes")
     if shm is None:
         rows.append(Row(h, "/dev/shm", WARN, "no /dev/shm"))
@@ -270,28 +270,34 @@ def _node_rows(
     return rows
 
 
-def neighbour_rows(h: str, f: dict[str, Any], peers_of: Sequence[str]) -> list[Row]:
+def neighbour_rows(h: str, f: dict[str, Any], peers_of: Sequence[str], ifname: str = "") -> list[Row]:
     """Whether the kernel's neighbour (ARP/NDP) table can hold this node's peers: every other
     node of the spec (``peers_of``, addresses) in the subnet of its interface to the chief takes
     an entry once the ranks connect (every node talks to the chief's store; gloo's full mesh
     and all-to-all talk to every node); nodes behind a router take none. An address that is a
-    name counts as a peer. Past ``gc_thresh3`` (1,024 by default) the kernel says "neighbor
-    table overflow" and new connections fail with "No route to host". No row where the limit is
-    not visible (a container's network namespace: the host's applies)."""
+    name counts as a peer. The limit holds for every interface together: where the ranks' own
+    (``ifname``, NCCL_SOCKET_IFNAME's setting) is not the route's, every node counts. Past
+    ``gc_thresh3`` (1,024 by default) the kernel says "neighbor table overflow" and new
+    connections can fail with "No route to host". No row where the limit is not visible (a
+    container's network namespace: the host's applies)."""
     neigh = f.get("neigh")
     route = f.get("route") or {}
     if not isinstance(neigh, dict) or not isinstance(neigh.get("limit"), int) or "error" in route:
         return []
     limit, family = neigh["limit"], neigh.get("family", "ipv4")
+    dev = str(route.get("dev") or "")
     net = _network(str(route.get("net") or ""))
+    if ifname and ifname != "auto" and dev and not _ifname_matches(dev, ifname):
+        net, where = None, f"the cluster (NCCL/gloo use {ifname}, not {dev}, the route to the chief)"
+    else:
+        where = (f"{dev}'s subnet" if dev else "its subnet") + (f" {net}" if net is not None else "")
     peers = sum(1 for a in peers_of if net is None or _in(a, net))
-    where = f"{route.get('dev')}'s subnet" + (f" {net}" if net is not None else "")
     need = peers + NEIGH_SPARE
     if limit >= need:
         return [Row(h, "neighbours", OK, f"gc_thresh3 {limit}: room for {peers} peer(s) in {where}")]
     why = (
         f"gc_thresh3 {limit}, but {peers} peer(s) share {where} (about {need} neighbour entries with the "
-        f"gateway and others): a job whose ranks all connect to each other fails with 'No route to host'. "
+        f"gateway and others): a job whose ranks all connect to each other can fail with 'No route to host'. "
         f"Raise it (as root): sysctl -w net.{family}.neigh.default.gc_thresh3={2 * need} "
         f"net.{family}.neigh.default.gc_thresh2={need} net.{family}.neigh.default.gc_thresh1={need // 4}, "
         "and in /etc/sysctl.d/ to keep it after a reboot"

@@ -219,7 +219,7 @@ def runs(
         if spec is not None:
             found = control.runs_of_spec(found, spec)
         if not local:
-            R.refresh(found, connect_timeout=control.QUICK_CONNECT)
+            R.refresh(found, connect_timeout=control.QUICK_CONNECT, shortcut=True)
         if state:
             found = [r for r in found if r.state in state]
         if as_json:

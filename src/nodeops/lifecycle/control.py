@@ -67,7 +67,7 @@ def only_live(found: list[R.Run], of_spec: bool, sink: Sink) -> R.Run | None:
     QUICK_CONNECT seconds to connect), None when none is live; more than one is refused (a
     command that acts must not guess). Runs that could not be asked are named: beside a live run
     they are not counted; with no live run, `stop` refuses (one of them may be live)."""
-    R.refresh(found, connect_timeout=QUICK_CONNECT)
+    R.refresh(found, connect_timeout=QUICK_CONNECT, shortcut=True)
     unknown = [r for r in found if r.state == "unreachable"]
     live = [r for r in found if r.state in LIVE]
     if len(live) > 1:

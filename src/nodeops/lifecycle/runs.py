@@ -111,21 +111,27 @@ def local_runs() -> list[Run]:
 
 def where_controlled(run: Run) -> tuple[str, str, bytes]:
     """Runs with the same key are asked at the same place: their backend, their chief (or login
-    node) and how it is reached (the run's ssh_config)."""
+    node) and how it is reached (the run's ssh_config, its comments aside: ssh's ``-F`` reads
+    nothing else)."""
     try:
-        how = run.job.ssh_config.read_bytes()
+        how = b"\n".join(ln for ln in run.job.ssh_config.read_bytes().splitlines() if not ln.lstrip().startswith(b"#"))
     except OSError:
         how = run.job.run_id.encode()  # no config to compare: a place of its own
     return run.job.backend, run.job.chief, how
 
 
-def refresh(runs: Sequence[Run], connect_timeout: int | None = None) -> None:
+def refresh(runs: Sequence[Run], connect_timeout: int | None = None, *, shortcut: bool = False) -> None:
     """Ask each chief about the runs with no verdict here, in parallel; keep what it says.
     ``connect_timeout``: seconds each chief has to answer the connection (see ``run_state``).
-    The newest run of each place is asked first: where ssh did not reach it (a cluster since torn
-    down), its other runs are said to be unreachable for the same reason without one more
-    connection each (600 records of a gone cluster cost 10 rounds of the timeout, now one)."""
+    ``shortcut`` (``runs`` and ``stop``, never ``clean``, which may forget unreachable runs): the
+    newest run of each place with more than one is asked first, and where ssh's own words say it
+    never reached the place (a cluster torn down), its other runs are said to be unreachable for
+    that reason without a connection each: 600 records of a gone cluster cost one timeout, not
+    10 rounds of 64."""
     todo = [r for r in runs if r.state == "unknown"]
+    if not shortcut:
+        ask(todo, connect_timeout)
+        return
     places: dict[tuple[str, str, bytes], list[Run]] = {}
     for r in todo:
         places.setdefault(where_controlled(r), []).append(r)

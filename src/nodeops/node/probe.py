@@ -153,8 +153,19 @@ def _run(
     return p.returncode, p.stdout, p.stderr
 
 
+def resolve(address: str) -> str:
+    """``address`` as an IP address (a DNS name resolved here, as the ranks will); as given where
+    it cannot be (``ip route get`` then says why)."""
+    try:
+        return str(socket.getaddrinfo(address, None)[0][4][0])
+    except (OSError, IndexError, UnicodeError):
+        return address
+
+
 def route_to(address: str) -> dict[str, object]:
-    """The interface (and source address) this node uses to reach ``address``."""
+    """The interface (and source address) this node uses to reach ``address``, and the subnet of
+    that interface's address (``net``: where the neighbours are)."""
+    address = resolve(address)
     rc, out, err = _run(["ip", "-j", "route", "get", address], 5)
     if rc != 0:
         return {"error": (err.strip() or "ip route get failed").splitlines()[-1]}
@@ -164,7 +175,10 @@ def route_to(address: str) -> dict[str, object]:
         return {"error": "cannot parse `ip -j route get` output"}
     dev, src = r.get("dev", ""), r.get("prefsrc", "")
     rc, out, _ = _run(["ip", "-j", "addr", "show"], 5)
-    links = json.loads(out) if rc == 0 else []
+    try:
+        links = [x for x in json.loads(out) if isinstance(x, dict)] if rc == 0 else []
+    except (ValueError, TypeError):  # an iproute2 whose JSON is broken: no subnet, not a failed probe
+        links = []
     if dev == "lo":  # the chief reaching itself: name the interface that holds the address
         for link in links:
             if any(a.get("local") == address for a in link.get("addr_info", [])):
@@ -174,7 +188,7 @@ def route_to(address: str) -> dict[str, object]:
         for a in link.get("addr_info", []) if link.get("ifname") == dev else []:
             if a.get("local") == src and a.get("prefixlen") is not None:
                 net = f"{src}/{a['prefixlen']}"
-    return {"dev": dev, "src": src, "via": r.get("gateway", ""), "net": net}
+    return {"dev": dev, "src": src, "net": net}
 
 
 def neighbour_limit(address: str) -> dict[str, object] | None:
@@ -273,7 +287,7 @@ def node_facts(plan: dict[str, Any]) -> dict[str, Any]:
         path = os.path.join(wd or home, os.path.expanduser(plan["script"]))
         f["script"] = {"path": path, "exists": os.path.isfile(path)}
     f["route"] = route_to(plan["chief_address"])
-    f["neigh"] = neighbour_limit(plan["chief_address"])
+    f["neigh"] = neighbour_limit(resolve(plan["chief_address"]))
     f["ports"] = {str(p): connect(plan["chief_address"], p, plan["nonce"], plan["name"]) for p in plan["ports"]}
     if not plan.get("fast"):
         rc, out, err = _run(["nvidia-smi", f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"], 30)

@@ -324,7 +324,7 @@ def test_a_neighbour_table_too_small_for_the_cluster_warns_with_the_sysctl() -> 
     connections fail with 'No route to host' (the 64-node sandbox met it on one shared kernel).
     The peers are the spec's nodes in the subnet of the node's interface to the chief."""
     v4 = {"limit": 1024, "family": "ipv4"}
-    flat = facts(neigh=v4, route={"dev": "ens5", "src": "10.0.0.2", "via": "", "net": "10.0.0.2/16"})
+    flat = facts(neigh=v4, route={"dev": "ens5", "src": "10.0.0.2", "net": "10.0.0.2/16"})
     many = [f"10.0.{i // 250}.{i % 250 + 1}" for i in range(999)]
     (row,) = check.neighbour_rows("n2", flat, many[:63])
     assert row.status == "ok" and "gc_thresh3 1024" in row.detail and "63 peer(s) in ens5's subnet" in row.detail
@@ -333,7 +333,7 @@ def test_a_neighbour_table_too_small_for_the_cluster_warns_with_the_sysctl() -> 
     assert "999 peer(s)" in row.detail and "No route to host" in row.detail and "/etc/sysctl.d/" in row.detail
     assert "sysctl -w net.ipv4.neigh.default.gc_thresh3=2254 " in row.detail, row.detail
     # racks of /24s behind routers: only the node's own rack counts
-    rack = facts(neigh=v4, route={"dev": "ens5", "src": "10.0.1.2", "via": "10.0.1.1", "net": "10.0.1.2/24"})
+    rack = facts(neigh=v4, route={"dev": "ens5", "src": "10.0.1.2", "net": "10.0.1.2/24"})
     (row,) = check.neighbour_rows("n2", rack, many)
     assert row.status == "ok" and "250 peer(s) in ens5's subnet 10.0.1.0/24" in row.detail, row.detail
     # names are counted as peers (where they are is not known); no subnet known: every node
@@ -341,6 +341,11 @@ def test_a_neighbour_table_too_small_for_the_cluster_warns_with_the_sysctl() -> 
     assert "2 peer(s)" in row.detail
     nonet = facts(neigh=v4, route={"dev": "ens5", "src": "10.0.0.2"})
     assert check.neighbour_rows("n2", nonet, many)[0].status == "warn"
+    # the ranks use another interface than the route to the chief: the limit is the kernel's,
+    # for every interface together, so every node counts
+    (row,) = check.neighbour_rows("n2", rack, many, "ib0")
+    assert "999 peer(s)" in row.detail and "NCCL/gloo use ib0, not ens5" in row.detail, row.detail
+    assert "250 peer(s)" in check.neighbour_rows("n2", rack, many, "ens")[0].detail  # a prefix that matches
     # the family the probe read names the sysctl
     v6 = facts(neigh={"limit": 1024, "family": "ipv6"}, route={"dev": "ens5", "src": "", "net": ""})
     assert "net.ipv6.neigh.default.gc_thresh3=" in check.neighbour_rows("n2", v6, many)[0].detail
@@ -356,11 +361,22 @@ def test_a_neighbour_table_too_small_for_the_cluster_warns_with_the_sysctl() -> 
     assert rows_of(rep, "10.0.0.3", "neighbours") == []
 
 
-def test_the_probe_reads_the_kernels_neighbour_limit_and_none_inside_a_network_namespace() -> None:
+def test_the_probe_reads_the_kernels_neighbour_limit_and_none_inside_a_network_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The real /proc of this machine; then a new network namespace (as a container's), which
     does not show the limit."""
+    if shutil.which("ip") is None:
+        pytest.skip("no iproute2 here")
     # the subnet the peers are counted in: the interface's own address and prefix (`ip -j addr`)
-    assert probe.route_to("127.0.0.1") == {"dev": "lo", "src": "127.0.0.1", "via": "", "net": "127.0.0.1/8"}
+    assert probe.route_to("127.0.0.1") == {"dev": "lo", "src": "127.0.0.1", "net": "127.0.0.1/8"}
+    # a chief named by DNS: resolved first, as the ranks will (`ip route get` takes no names)
+    assert probe.route_to("localhost")["dev"] == "lo"
+    # an iproute2 whose JSON is broken: no subnet, not a failed probe
+    real = probe._run
+    monkeypatch.setattr(probe, "_run", lambda argv, *a, **k: (0, "[{", "") if "addr" in argv else real(argv, *a, **k))
+    assert probe.route_to("127.0.0.1")["net"] == ""
+    monkeypatch.undo()
     knob = Path("/proc/sys/net/ipv4/neigh/default/gc_thresh3")
     if knob.exists():
         assert probe.neighbour_limit("10.0.0.1") == {"limit": int(knob.read_text()), "family": "ipv4"}

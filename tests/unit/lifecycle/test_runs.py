@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -236,30 +237,36 @@ def test_the_chief_probe_says_verdict_gone_running_or_ended(tmp_path: Path) -> N
 def test_runs_of_a_cluster_that_is_gone_cost_one_connection(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Records pile up of clusters since torn down: `stop` and `runs` ask each run's chief, and
     each ask waited for ssh's connection to fail (600 records: 10 rounds of 64). Now the newest
-    run of each place is asked first, and the rest of a place that ssh did not reach take its
-    answer. Real ssh, against two local listeners that count connections and close each one."""
+    run of each place is asked first, and where ssh's own words say it never reached the place,
+    the place's other runs take that answer. Real ssh (counted by a wrapper on PATH): places a
+    and b refuse the connection (a closed port); place c accepts it and closes it at once, which
+    is not "never reached", so each of its runs is asked. Without the shortcut (`clean`), every
+    run is asked."""
+    ssh = shutil.which("ssh")
+    if ssh is None:
+        pytest.skip("no ssh client here")
     monkeypatch.setenv("NODEOPS_HOME", str(tmp_path / "home"))
-    counts: dict[int, int] = {}
+    log = tmp_path / "ssh.log"
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "ssh").write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {ssh} "$@"\n')
+    (tmp_path / "bin" / "ssh").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    closed = [socket.socket(), socket.socket()]  # bound, never listening: connections are refused
+    for sock in closed:
+        sock.bind(("127.0.0.1", 0))
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
 
-    def listener() -> int:
-        srv = socket.socket()
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(64)
-        port = srv.getsockname()[1]
-        counts[port] = 0
+    def serve() -> None:
+        while True:
+            conn, _ = srv.accept()
+            conn.close()  # ssh: "Connection closed by remote host", exit 255: it was reached
 
-        def serve() -> None:
-            while True:
-                conn, _ = srv.accept()
-                counts[port] += 1
-                conn.close()  # ssh: "Connection closed by remote host", exit 255
-
-        threading.Thread(target=serve, daemon=True).start()
-        return port
-
-    places = {"a": listener(), "b": listener()}
-    ids: dict[str, list[str]] = {"a": [], "b": []}
-    for i, place in enumerate("aaaaabb"):
+    threading.Thread(target=serve, daemon=True).start()
+    ports = {"a": closed[0].getsockname()[1], "b": closed[1].getsockname()[1], "c": srv.getsockname()[1]}
+    ids: dict[str, list[str]] = {"a": [], "b": [], "c": []}
+    for i, place in enumerate("aaaaabbccc"):
         run_id = f"20261101-1015{i:02d}-ab{i:02d}"
         d = store.jobs_dir() / run_id
         d.mkdir()
@@ -267,20 +274,35 @@ def test_runs_of_a_cluster_that_is_gone_cost_one_connection(tmp_path: Path, monk
                         started=time.time() - 100 + i)  # fmt: skip
         job.save()
         (d / "ssh_config").write_text(
-            f"Host node1\n    HostName 127.0.0.1\n    Port {places[place]}\n    BatchMode yes\n"
-            f"    UserKnownHostsFile {tmp_path / 'kh'}\n    StrictHostKeyChecking yes\n"
+            f"# the run record {run_id}\nHost node1\n    HostName 127.0.0.1\n    Port {ports[place]}\n"
+            f"    BatchMode yes\n    UserKnownHostsFile {tmp_path / 'kh'}\n    StrictHostKeyChecking yes\n"
         )
         ids[place].append(run_id)
+
+    def asked() -> dict[str, int]:
+        said = log.read_text() if log.exists() else ""
+        log.unlink(missing_ok=True)
+        lines = said.splitlines()
+        return {place: sum(1 for run_id in run_ids for ln in lines if f"/{run_id}/ssh_config" in ln)
+                for place, run_ids in ids.items()}  # fmt: skip
+
     found = R.local_runs()
-    assert len(found) == 7
-    R.refresh(found, connect_timeout=3)
-    assert counts == {places["a"]: 1, places["b"]: 1}, counts
+    assert len(found) == 10
+    R.refresh(found, connect_timeout=3, shortcut=True)
+    assert asked() == {"a": 1, "b": 1, "c": 3}
     by_id = {r.job.run_id: r for r in found}
-    for place, run_ids in ids.items():
-        newest, *rest = sorted(run_ids, reverse=True)  # the newest of each place was asked
+    for place in "ab":
+        newest, *rest = sorted(ids[place], reverse=True)  # the newest of each place was asked
         assert by_id[newest].state == "unreachable" and not by_id[newest].reached
-        assert "node1: " in by_id[newest].detail and "not asked" not in by_id[newest].detail
+        assert "Connection refused" in by_id[newest].detail and "not asked" not in by_id[newest].detail
         for run_id in rest:
             r = by_id[run_id]
             assert r.state == "unreachable" and not r.reached, (place, r)
             assert r.detail == f"{by_id[newest].detail} (not asked: ssh did not reach it for run {newest})"
+    for run_id in ids["c"]:  # reached, and each asked: its own answer
+        assert by_id[run_id].reached and "not asked" not in by_id[run_id].detail, by_id[run_id]
+    found = R.local_runs()
+    R.refresh(found, connect_timeout=3)  # `clean`'s: no shortcut
+    assert asked() == {"a": 5, "b": 2, "c": 3}
+    for sock in [*closed, srv]:
+        sock.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, ClassVar
 
-from nodeops import errors
+from nodeops import errors, transport
 from nodeops.backends import store
 from nodeops.backends.base import Backend, Capabilities, DryRun, LaunchRequest, RunState, Sink
 from nodeops.backends.slurm import job as slurm
@@ -729,8 +729,8 @@ class SlurmBackend(Backend):
         """A Slurm run's state from squeue/scontrol on its login node (or the last one seen there)."""
         try:
             st = slurm.poll(login_for(job, connect_timeout), job.run_id, slurm_id(job), {}, max_bytes=0)
-        except slurm.SlurmError as e:
-            return RunState("unreachable", str(e))
+        except slurm.SlurmError as e:  # ssh's words are in it: a login node never reached says so
+            return RunState("unreachable", str(e), reached=not transport.not_reached(str(e)))
         if st.error:
             return RunState("unreachable", f"Slurm job {slurm_id(job)}: {st.error}")
         if st.forgotten and st.result is not None and not st.result.get("requeued"):

@@ -633,11 +633,11 @@ class SshBackend(Backend):
             argv = transport.ssh_argv(job.ssh_config, job.chief, "bash", "-c", sh_word(in_home(script)),
                                       connect_timeout=connect_timeout)  # fmt: skip
             p = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
-        except subprocess.TimeoutExpired:
-            return RunState("unreachable", f"{job.chief}: ssh timed out", reached=False)
-        if p.returncode != 0:  # 255: ssh's own failure (the probe itself exits 0)
+        except subprocess.TimeoutExpired:  # may be the remote side's slowness: not said to be unreached
+            return RunState("unreachable", f"{job.chief}: ssh timed out")
+        if p.returncode != 0:
             return RunState("unreachable", f"{job.chief}: {transport.last_line(p.stderr, 'ssh failed')}",
-                            reached=p.returncode != 255)  # fmt: skip
+                            reached=not (p.returncode == 255 and transport.not_reached(p.stderr)))  # fmt: skip
         head, _, rest = p.stdout.partition("\n")
         if head == "verdict":
             try:
