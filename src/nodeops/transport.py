@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import pwd
+import re
 import resource
 import socket
 import stat
@@ -122,15 +123,16 @@ def ssh_argv(ssh_config: Path, host: str, *command: str, connect_timeout: int | 
 # What ssh says when it never reached the host (no connection made): a cluster torn down, a
 # host off. Not an authentication or host-key failure (the host answered), and not a connection
 # dropped later, nor sshd's MaxStartups refusing one of many: those say nothing about the next.
-NOT_REACHED = (
-    "Connection timed out", "No route to host", "Connection refused", "Could not resolve hostname",
-    "Network is unreachable", "Name or service not known", "Temporary failure in name resolution",
-)  # fmt: skip
+NOT_REACHED = re.compile(
+    r"Connection timed out|Connection to \S+ port \d+ timed out|No route to host|Connection refused|"
+    r"Could not resolve hostname|Network is unreachable|Name or service not known|"
+    r"Temporary failure in name resolution"
+)
 
 
 def not_reached(stderr: str) -> bool:
     """Whether ssh's own words say it never reached the host (see NOT_REACHED)."""
-    return any(w in stderr for w in NOT_REACHED)
+    return NOT_REACHED.search(stderr) is not None
 
 
 def last_line(text: str, default: str) -> str:

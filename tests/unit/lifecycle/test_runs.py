@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from nodeops import transport
 from nodeops.backends import store
 from nodeops.backends.slurm import job as slurm
 from nodeops.backends.ssh import backend as ssh_backend
@@ -306,3 +307,19 @@ def test_runs_of_a_cluster_that_is_gone_cost_one_connection(tmp_path: Path, monk
     assert asked() == {"a": 5, "b": 2, "c": 3}
     for sock in [*closed, srv]:
         sock.close()
+
+
+@pytest.mark.parametrize(
+    ("stderr", "unreached"),
+    [("ssh: connect to host 10.0.0.9 port 22: Connection refused", True),
+     ("Connection to 10.214.0.11 port 22 timed out", True),  # ConnectTimeout, as ssh 9.2 says it
+     ("Connection timed out during banner exchange\nConnection to 10.214.0.11 port 22 timed out", True),
+     ("ssh: connect to host 10.0.0.9 port 22: No route to host", True),
+     ("ssh: Could not resolve hostname gone-1: Name or service not known", True),
+     ("debian@10.0.0.9: Permission denied (publickey).", False),  # it answered
+     ("Host key verification failed.", False),
+     ("kex_exchange_identification: read: Connection reset by peer", False),  # MaxStartups: one of many
+     ("Timeout, server 10.0.0.9 not responding.", False)],  # ServerAlive: it was reached
+)  # fmt: skip
+def test_which_ssh_failures_say_the_place_was_never_reached(stderr: str, unreached: bool) -> None:
+    assert transport.not_reached(stderr) is unreached
