@@ -162,9 +162,9 @@ def resolve(address: str) -> str:
         return address
 
 
-def route_to(address: str) -> dict[str, object]:
-    """The interface (and source address) this node uses to reach ``address``, and the subnet of
-    that interface's address (``net``: where the neighbours are)."""
+def route_to(address: str, subnet: bool = True) -> dict[str, object]:
+    """The interface (and source address) this node uses to reach ``address``, and, with
+    ``subnet``, the subnet of that interface's address (``net``: where the neighbours are)."""
     address = resolve(address)
     rc, out, err = _run(["ip", "-j", "route", "get", address], 5)
     if rc != 0:
@@ -174,11 +174,13 @@ def route_to(address: str) -> dict[str, object]:
     except (ValueError, IndexError):
         return {"error": "cannot parse `ip -j route get` output"}
     dev, src = r.get("dev", ""), r.get("prefsrc", "")
-    rc, out, _ = _run(["ip", "-j", "addr", "show"], 5)
-    try:
-        links = [x for x in json.loads(out) if isinstance(x, dict)] if rc == 0 else []
-    except (ValueError, TypeError):  # an iproute2 whose JSON is broken: no subnet, not a failed probe
-        links = []
+    links: list[dict[str, Any]] = []
+    if dev == "lo" or subnet:
+        rc, out, _ = _run(["ip", "-j", "addr", "show"], 5)
+        try:
+            links = [x for x in json.loads(out) if isinstance(x, dict)] if rc == 0 else []
+        except (ValueError, TypeError):  # an iproute2 whose JSON is broken: no subnet, not a failed probe
+            links = []
     if dev == "lo":  # the chief reaching itself: name the interface that holds the address
         for link in links:
             if any(a.get("local") == address for a in link.get("addr_info", [])):
@@ -286,8 +288,9 @@ def node_facts(plan: dict[str, Any]) -> dict[str, Any]:
     if plan.get("script"):
         path = os.path.join(wd or home, os.path.expanduser(plan["script"]))
         f["script"] = {"path": path, "exists": os.path.isfile(path)}
-    f["route"] = route_to(plan["chief_address"])
-    f["neigh"] = neighbour_limit(resolve(plan["chief_address"]))
+    chief = resolve(plan["chief_address"])  # once: a DNS name is looked up here, as the ranks will
+    f["route"] = route_to(chief, subnet=not plan.get("fast"))  # launch's fast preflight needs no subnet
+    f["neigh"] = neighbour_limit(chief)
     f["ports"] = {str(p): connect(plan["chief_address"], p, plan["nonce"], plan["name"]) for p in plan["ports"]}
     if not plan.get("fast"):
         rc, out, err = _run(["nvidia-smi", f"--query-gpu={NVIDIA_QUERY}", "--format=csv,noheader,nounits"], 30)

@@ -374,6 +374,7 @@ def control_lines(tag: str, t: SshTarget) -> list[str]:
     path = f"~/.ssh/nodeops-{hashlib.sha256(who.encode()).hexdigest()[:16]}"
     if not fits_control_path(path):
         return ["    ControlMaster no"]
+    path = ssh_config_value(path, tokens=True)  # hex digits: as they are, but the one quoting for ssh_config
     return ["    ControlMaster auto", f"    ControlPath {path}", "    ControlPersist 60s"]
 
 

@@ -370,6 +370,16 @@ def test_the_probe_reads_the_kernels_neighbour_limit_and_none_inside_a_network_n
         pytest.skip("no iproute2 here")
     # the subnet the peers are counted in: the interface's own address and prefix (`ip -j addr`)
     assert probe.route_to("127.0.0.1") == {"dev": "lo", "src": "127.0.0.1", "net": "127.0.0.1/8"}
+    # launch's fast preflight asks no subnet: one `ip` call fewer on every node (the chief's own
+    # route, via lo, still looks up the interface that holds its address)
+    calls: list[list[str]] = []
+    real = probe._run
+    monkeypatch.setattr(probe, "_run", lambda argv, *a, **k: calls.append(argv) or real(argv, *a, **k))
+    assert probe.route_to("127.0.0.1", subnet=False)["dev"] == "lo"
+    fast = probe.route_to("192.0.2.77", subnet=False)
+    if "error" not in fast:  # a machine with a route there
+        assert fast["net"] == "" and calls[-1][:3] == ["ip", "-j", "route"], calls
+    monkeypatch.undo()
     # a chief named by DNS: resolved first, as the ranks will (`ip route get` takes no names)
     assert probe.route_to("localhost")["dev"] == "lo"
     # an iproute2 whose JSON is broken: no subnet, not a failed probe
