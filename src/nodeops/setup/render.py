@@ -346,6 +346,7 @@ def ssh_config_text(targets: Sequence[SshTarget], tag: str, header: str) -> str:
     (never shared between clusters or identities).
     """
     q = ssh_config_value
+    mux = fits_control_path(CONTROL_PATH.format("0" * CONTROL_DIGITS))  # once: the home decides, not the host
     lines = [f"# {header}", "# Use: ssh -F ssh_config <host>", ""]
     for t in targets:
         lines.append("Host " + " ".join(q(p) for p in dict.fromkeys([t.alias, t.address])))
@@ -361,19 +362,24 @@ def ssh_config_text(targets: Sequence[SshTarget], tag: str, header: str) -> str:
         lines.append(f"    StrictHostKeyChecking {'accept-new' if t.host_key_checking == 'accept-new' else 'yes'}")
         if t.proxy_jump:
             lines.append(f"    ProxyJump {q(t.proxy_jump)}")
-        lines += ["    BatchMode yes", *control_lines(tag, t), ""]
+        lines += ["    BatchMode yes", *control_lines(tag, t, mux), ""]
     return "\n".join(lines)
 
 
-def control_lines(tag: str, t: SshTarget) -> list[str]:
+CONTROL_PATH = "~/.ssh/nodeops-{}"  # + 16 hex digits
+CONTROL_DIGITS = 16
+
+
+def control_lines(tag: str, t: SshTarget, mux: bool) -> list[str]:
     """One ssh master per host and identity set (``tag``), its socket named by a digest of both:
     ``~/.ssh/nodeops-<16 hex>`` (ssh's ``%C`` is 40 hex digits, and with the tag beside it a home
-    of more than 25 characters made the path too long for a socket). Where even this is too long
-    for a socket (a home of more than ~55 characters), no master: slower, but every ssh works."""
-    who = "\0".join([tag, t.address, str(t.port), t.user, t.proxy_jump])
-    path = f"~/.ssh/nodeops-{hashlib.sha256(who.encode()).hexdigest()[:16]}"
-    if not fits_control_path(path):
+    of more than 25 characters made the path too long for a socket). ``mux``: whether that path
+    fits a socket (:func:`fits_control_path`, the same for every host); where it does not (a
+    home of more than ~55 characters), no master: slower, but every ssh works."""
+    if not mux:
         return ["    ControlMaster no"]
+    who = "\0".join([tag, t.address, str(t.port), t.user, t.proxy_jump])
+    path = CONTROL_PATH.format(hashlib.sha256(who.encode()).hexdigest()[:CONTROL_DIGITS])
     path = ssh_config_value(path, tokens=True)  # hex digits: as they are, but the one quoting for ssh_config
     return ["    ControlMaster auto", f"    ControlPath {path}", "    ControlPersist 60s"]
 
