@@ -23,10 +23,19 @@ spec is used throughout (a wheelhouse package, a workdir, env vars, ib off):
     to torchrun's), for reference;
   - launch: `nodeops launch --no-check` of a trivial gloo job (init, barrier, exit);
   - stacks: `nodeops stacks --json` of a detached run whose every rank is alive (counted in the
-    containers), and how many ranks it returned;
+    containers), and how many ranks it returned; "stacks, pdsh": the same ranks' `py-spy dump
+    --json` fanned out by pdsh, just before;
   - stop: `nodeops stop`, then how long until no process of the run is left on any node, read
     from the host's /proc by the containers' cgroups, and confirmed with `docker exec ps`;
-  - failure: rank N-1 exits 1 mid-training; seconds until no rank is left anywhere.
+    "stop, pdsh": an idle torchrun started on every node by pdsh, and pdsh sending every
+    torchrun SIGTERM (which torchrun passes on to its ranks), timed the same way;
+  - failure: rank N-1 exits 1 mid-training; seconds until no rank is left anywhere. "failure,
+    pdsh": the same script started by pdsh, where nothing but the other ranks' own failing
+    collective (gloo's connection to the dead rank closing) ends them.
+  The stacks, stop and failure rows run ``--teardown-runs`` times each, alternating with their
+  pdsh baseline (lower medians); ``--launch-runs 0`` leaves the launch vs pdsh rows out.
+  On 2 cores shared by every node the baselines show what the machine allows: at 64 nodes the
+  nodes' own teardown (torchrun's and the ranks' exits) is several CPU seconds.
   Without a torch wheelhouse (.cache/wheelhouse-torch, or --torch-wheelhouse) they are "not run".
 
 Each nodeops step is sampled (bench/_cost.py) for what it costs per node: the controller's ssh
@@ -68,8 +77,10 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
@@ -88,7 +99,18 @@ NODEOPS = [sys.executable, "-m", "nodeops"]
 FULL = "no-op, --full"
 SETUP_STEPS = ["cold setup", "no-op setup", FULL, "check"]
 PLAIN = "launch, pdsh, plain torchrun"
-LAUNCH_STEPS = ["launch, pdsh", PLAIN, "launch", "stacks", "stop", "failure"]
+LAUNCH_STEPS = [
+    "launch, pdsh",
+    PLAIN,
+    "launch",
+    "stacks, pdsh",
+    "stacks",
+    "stop, pdsh",
+    "stop",
+    "failure, pdsh",
+    "failure",
+]
+FAILED_MARKER = "/tmp/nodeops-scale-failed"  # where the failing rank writes when it failed
 MAX_CHIEF_WEIGHT = 256  # docker's cpu-shares go up to 262144 (256 x the default 1024)
 SHARED = "/opt/nodeops-shared"  # where every node sees the shared env (read-only)
 TRIVIAL = "import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n"
@@ -294,52 +316,96 @@ def setup_rows(b: Bench, spec: Path, skip: set[str], say: sandbox.Say) -> dict[s
     return out
 
 
-def pdsh_argv(b: Bench, spec: Path, work: Path, tee: bool = True) -> tuple[list[str], dict[str, str]]:
+def pdsh_env(b: Bench, work: Path) -> dict[str, str]:
+    """pdsh over ssh with the sandbox's ssh_config (strict host keys, ControlMaster)."""
+    cfg = work / "ssh_config"
+    cfg.write_text(b.sb.ssh_config.read_text())
+    return {**b.env, "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS": f"-F {cfg} -x %h"}
+
+
+def pdsh_on_all(b: Bench, remote: str) -> list[str]:
+    """``remote`` on every node at once (fan-out N), each line prefixed with its node."""
+    return ["pdsh", "-S", "-f", str(len(b.sb.nodes)), "-w", ",".join(nd.name for nd in b.sb.nodes), remote]
+
+
+def pdsh_argv(b: Bench, spec: Path, work: Path, tee: bool = True, script: str = "trivial.py",
+              args: tuple[str, ...] = ()) -> tuple[list[str], dict[str, str]]:  # fmt: skip
     """The launch's torchrun command on every node at once with pdsh, as DeepSpeed's PDSH runner
     does: the same ssh_config (strict host keys, ControlMaster), env file and shared env. ``tee``:
     with the output settings of nodeops' job.sh (launch.plan.TEE_ENV, PYTHONUNBUFFERED=1), the
     ranks' log files in a directory of the run's own, removed after it."""
     n = len(b.sb.nodes)
-    cfg = work / "ssh_config"
-    cfg.write_text(b.sb.ssh_config.read_text())
-    env = {**b.env, "PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS": f"-F {cfg} -x %h"}
     torchrun = (
         f"python3 -m torch.distributed.run --nnodes {n} --nproc-per-node 1 --node-rank %n "
-        f"--master-addr {b.sb.nodes[0].address} --master-port 29500 trivial.py"
+        f"--master-addr {b.sb.nodes[0].address} --master-port 29500 " + " ".join(sh_word(a) for a in (script, *args))
     )
     if tee:
         exports = " ".join(f"{k}={sh_word(v)}" for k, v in {**TEE_ENV, "PYTHONUNBUFFERED": "1"}.items())
         torchrun = (f'logs=$(mktemp -d) && export PET_LOG_DIR="$logs" {exports} && {{ {torchrun}; rc=$?; '
                     'rm -rf "$logs"; exit $rc; }')  # fmt: skip
     remote = f"cd /srv/scale && . ~/.nodeops/{load_spec(spec).cluster_name}/env.sh && . {SHARED}/env/bin/activate && "
-    return ["pdsh", "-S", "-f", str(n), "-w", ",".join(nd.name for nd in b.sb.nodes), remote + torchrun], env
+    return pdsh_on_all(b, remote + torchrun), pdsh_env(b, work)
 
 
-def launch_rows(b: Bench, spec: Path, work: Path, runs: int, say: sandbox.Say) -> dict[str, Step | None]:
+def launch_rows(b: Bench, spec: Path, work: Path, runs: int, teardown_runs: int,
+                say: sandbox.Say) -> dict[str, Step | None]:  # fmt: skip
     n = len(b.sb.nodes)
     pdsh, pdsh_env = pdsh_argv(b, spec, work)
     plain, _ = pdsh_argv(b, spec, work, tee=False)
     launch = [*NODEOPS, "launch", str(spec), "--no-check", "--", "trivial.py"]
-    tries: dict[str, list[Step]] = {"launch, pdsh": [], PLAIN: [], "launch": []}
+    tries: dict[str, list[Step]] = {k: [] for k in LAUNCH_STEPS}
     for i in range(runs):  # alternating, so all see the same page cache and ssh masters
         for label, argv, env in (("launch, pdsh", pdsh, pdsh_env), (PLAIN, plain, pdsh_env), ("launch", launch, None)):
             s = b.timed(argv, env)
             tries[label].append(s)
             say_step(say, f"{label} (run {i + 1})", s)
-    out: dict[str, Step | None] = {k: sorted(v, key=lambda s: s.wall)[(len(v) - 1) // 2] for k, v in tries.items()}
-    out["stacks"] = stacks_row(b, spec, n, say)
-    out["stop"] = stop_row(b, spec, say)
-    out["failure"] = failure_row(b, spec, n, say)
-    return out
+    # stacks, stop and a failure, each beside the same thing done with pdsh (the baseline: what
+    # the sandbox's shared cores allow), alternating run by run
+    for i in range(teardown_runs):
+        say(f"stacks, stop and a failure (run {i + 1} of {teardown_runs})")
+        by_pdsh, ours = stacks_rows(b, spec, work, n, say)
+        tries["stacks, pdsh"].append(by_pdsh)
+        tries["stacks"].append(ours)
+        tries["stop"].append(stop_row(b, spec, say))
+        tries["stop, pdsh"].append(pdsh_stop_row(b, spec, work, n, say))
+        tries["failure"].append(failure_row(b, [*NODEOPS, "launch", str(spec), "--no-check", "--"], None, n, say))
+        argv, env = pdsh_argv(b, spec, work, script="fail.py", args=(str(n - 1), FAILED_MARKER))
+        tries["failure, pdsh"].append(failure_row(b, argv, env, n, say, label="failure, pdsh"))
+    return {k: median(v) for k, v in tries.items()}
 
 
-def stacks_row(b: Bench, spec: Path, n: int, say: sandbox.Say) -> Step:
+def median(steps: list[Step]) -> Step | None:
+    """The lower median by wall time; a failed try counts as failed (the row says so)."""
+    if not steps:
+        return None
+    failed = [s for s in steps if s.rc != 0]
+    return failed[0] if failed else sorted(steps, key=lambda s: s.wall)[(len(steps) - 1) // 2]
+
+
+def start_idle(b: Bench, n: int) -> tuple[float, str]:
+    """Wait for an idle run just started to have a rank on every node, then for the nodes to
+    be quiet (the ranks import torch and meet: a minute of both cores at 64 nodes; a stuck run is
+    idle): (seconds it waited for quiet, "") or (0, why it never had every rank)."""
+    if not b.wait_for(RANK, n, 300):
+        return 0, f"the idle run never had {n} ranks ({b.alive(RANK)} seen)"
+    return b.wait_quiet(0.5 + 0.01 * n, 240), ""
+
+
+def stacks_rows(b: Bench, spec: Path, work: Path, n: int, say: sandbox.Say) -> tuple[Step, Step]:
+    """A detached idle run (which the stop row then stops); its ranks' stacks by pdsh fanning out
+    `py-spy dump` on every node (the baseline), then by `nodeops stacks`."""
     start = b.timed([*NODEOPS, "launch", str(spec), "--no-check", "--detach", "--", "idle.py"])
-    if start.rc != 0 or not b.wait_for(RANK, n, 300):
-        return dataclasses.replace(start, rc=start.rc or 1, tail=f"the idle run never had {n} ranks: {start.tail}")
-    # The ranks exist once started, then import torch and meet (a minute of both cores at 64 nodes):
-    # the row measures the stacks of a run that is idle, as a stuck one is, so it waits for quiet.
-    settled = b.wait_quiet(0.5 + 0.01 * n, 240)
+    settled, why = start_idle(b, n) if start.rc == 0 else (0, start.tail)
+    if why:
+        bad = dataclasses.replace(start, rc=start.rc or 1, tail=why)
+        return bad, bad
+    dump = (f"for p in $(pgrep -f 'python3? (-u )?idle[.]py'); do {SHARED}/env/bin/py-spy dump --pid $p --json "
+            '&& echo "dumped $p"; done')  # fmt: skip
+    by_pdsh = b.timed(pdsh_on_all(b, dump), pdsh_env(b, work))
+    got = by_pdsh.stdout.count(" dumped ")
+    by_pdsh.tail = f"{got} of {n} ranks' stacks by pdsh and py-spy"
+    by_pdsh.rc = by_pdsh.rc or (0 if got == n else 1)
+    say_step(say, "stacks, pdsh", by_pdsh)
     s = b.timed([*NODEOPS, "stacks", str(spec), "--json"])
     try:
         doc = json.loads(s.stdout)
@@ -349,16 +415,21 @@ def stacks_row(b: Bench, spec: Path, n: int, say: sandbox.Say) -> Step:
     except json.JSONDecodeError:
         s.rc = s.rc or 1
     say_step(say, "stacks", s)
-    return s
+    return by_pdsh, s
+
+
+def until_nothing_left(b: Bench, t0: float, ended: Callable[[], bool] = lambda: True) -> tuple[float, dict[str, int]]:
+    """Seconds from ``t0`` until no process of the run is left on any node (and ``ended``), read
+    from the host's /proc (at most 60 s), then what `docker exec ps` still lists."""
+    while (b.alive(LEFTOVER) or not ended()) and time.monotonic() - t0 < 60:
+        time.sleep(0.05)
+    return time.monotonic() - t0, b.left_by_ps()
 
 
 def stop_row(b: Bench, spec: Path, say: sandbox.Say) -> Step:
     t0 = time.monotonic()
     s = b.timed([*NODEOPS, "stop", str(spec)])
-    while b.alive(LEFTOVER) and time.monotonic() - t0 < 60:
-        time.sleep(0.05)
-    gone = time.monotonic() - t0
-    left = b.left_by_ps()
+    gone, left = until_nothing_left(b, t0)
     s.tail = f"nothing left {gone:.2f}s after stop began; docker exec ps: {left or 'nothing'} left"
     s.rc = s.rc or (1 if left else 0)
     say_step(say, "stop", s)
@@ -366,42 +437,82 @@ def stop_row(b: Bench, spec: Path, say: sandbox.Say) -> Step:
     return s
 
 
-def failure_row(b: Bench, spec: Path, n: int, say: sandbox.Say) -> Step:
-    """Rank n-1 exits 1 at its 10th step; seconds from its failure until no rank is left anywhere."""
-    marker = f"/tmp/nodeops-scale-failed-{time.time_ns()}"
-    last = b.sb.nodes[-1]
-    argv = [*NODEOPS, "launch", str(spec), "--no-check", "--", "fail.py", str(n - 1), marker]
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=b.env)
-    failed_at = None
-    deadline = time.monotonic() + 600
-    while failed_at is None and time.monotonic() < deadline and proc.poll() is None:
-        got = subprocess.run(["docker", "exec", last.container, "cat", marker], capture_output=True, text=True,
-                             check=False).stdout.strip()  # fmt: skip
-        failed_at = float(got) if got else None
-        time.sleep(0.1)
-    if failed_at is None:
-        proc.kill()
-        err = proc.communicate()[1]
-        s = Step(
-            0,
-            0,
-            1,
-            f"rank {n - 1} never failed; launch rc={proc.returncode}: {' '.join(err.strip().splitlines()[-2:])}",
-        )
-        say_step(say, "failure", s)
-        return s
-    while b.alive(RANK) and time.time() - failed_at < 60:
-        time.sleep(0.05)
-    latency = time.time() - failed_at
-    err = proc.communicate(timeout=120)[1]
-    subprocess.run(["docker", "exec", last.container, "rm", "-f", marker], capture_output=True, check=False)
-    left = b.left_by_ps()
-    tail = (
-        f"no rank left {latency:.2f}s after rank {n - 1} failed; launch rc={proc.returncode}; left: {left or 'nothing'}"
-    )
-    s = Step(latency, 0, 0 if proc.returncode != 0 and not left and latency < 60 else 1, tail, stderr=err)
-    say_step(say, "failure", s)
+def pdsh_stop_row(b: Bench, spec: Path, work: Path, n: int, say: sandbox.Say) -> Step:
+    """The baseline of the stop row: an idle torchrun started on every node by pdsh, stopped by
+    pdsh sending torchrun SIGTERM on every node (torchrun passes it to its ranks): seconds from the
+    kill's start until nothing of the run is left on any node and pdsh has ended."""
+    argv, env = pdsh_argv(b, spec, work, script="idle.py")
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, why = start_idle(b, n)
+        if why:
+            s = Step(0, 0, 1, why)
+        else:
+            t0 = time.monotonic()
+            # the brackets keep pkill from matching the remote shell that runs it
+            s = b.timed(pdsh_on_all(b, "pkill -TERM -f 'torch[.]distributed[.]run'"), env)
+            gone, left = until_nothing_left(b, t0, lambda: proc.poll() is not None)
+            s.tail = f"nothing left {gone:.2f}s after pdsh's kill began; docker exec ps: {left or 'nothing'} left"
+            s.rc = 1 if left or proc.poll() is None else 0  # pkill's own rc: 1 where nothing matched
+            s.wall = gone
+    finally:
+        end_pdsh_run(b, proc, env)
+    say_step(say, "stop, pdsh", s)
     return s
+
+
+def end_pdsh_run(b: Bench, proc: subprocess.Popen[Any], env: dict[str, str]) -> None:
+    """Whatever a pdsh run left, on the nodes and here (a row that failed midway)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    if b.alive(LEFTOVER):
+        subprocess.run(pdsh_on_all(b, "pkill -KILL -f 'torch[.]distributed[.]run|(idle|fail)[.]py'"), env=env,
+                       capture_output=True, check=False)  # fmt: skip
+
+
+def failure_row(b: Bench, argv: list[str], env: dict[str, str] | None, n: int, say: sandbox.Say,
+                label: str = "failure") -> Step:  # fmt: skip
+    """Rank n-1 exits 1 at its 10th step; seconds from its failure until no rank is left anywhere.
+    ``argv`` is a launch command to which the script is added (nodeops), or the whole command
+    (pdsh, the baseline: nothing stops the others there but their own collective failing)."""
+    last = b.sb.nodes[-1]
+    if argv[-1] == "--":
+        argv = [*argv, "fail.py", str(n - 1), FAILED_MARKER]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env or b.env,
+                            start_new_session=env is not None)  # fmt: skip
+    try:
+        failed_at = None
+        deadline = time.monotonic() + 600
+        while failed_at is None and time.monotonic() < deadline and proc.poll() is None:
+            got = subprocess.run(["docker", "exec", last.container, "cat", FAILED_MARKER], capture_output=True,
+                                 text=True, check=False).stdout.strip()  # fmt: skip
+            failed_at = float(got) if got else None
+            time.sleep(0.1)
+        if failed_at is None:
+            proc.kill()
+            err = proc.communicate()[1]
+            why = " ".join(err.strip().splitlines()[-2:])
+            s = Step(0, 0, 1, f"rank {n - 1} never failed; launch rc={proc.returncode}: {why}")
+            say_step(say, label, s)
+            return s
+        while b.alive(RANK) and time.time() - failed_at < 60:
+            time.sleep(0.05)
+        latency = time.time() - failed_at
+        err = proc.communicate(timeout=120)[1]
+        left = b.left_by_ps()
+        tail = (f"no rank left {latency:.2f}s after rank {n - 1} failed; launch rc={proc.returncode}; "
+                f"left: {left or 'nothing'}")  # fmt: skip
+        ok = proc.returncode != 0 and not left and latency < 60
+        s = Step(latency, 0, 0 if ok else 1, tail, stderr=err)
+        say_step(say, label, s)
+        return s
+    finally:
+        subprocess.run(["docker", "exec", last.container, "rm", "-f", FAILED_MARKER], capture_output=True,
+                       check=False)  # fmt: skip
+        if env is not None:
+            end_pdsh_run(b, proc, env)
 
 
 def weight_chief(b: Bench, weight: int, say: sandbox.Say) -> None:
@@ -430,7 +541,7 @@ def run_n(n: int, work: Path, wheels: Path, env_dir: Path | None, args: argparse
             out |= dict.fromkeys(LAUNCH_STEPS)
         else:
             weight_chief(b, n if args.chief_weight == "n" else int(args.chief_weight), say)
-            out |= launch_rows(b, launch_spec_for(sb, work), work, args.launch_runs, say)
+            out |= launch_rows(b, launch_spec_for(sb, work), work, args.launch_runs, args.teardown_runs, say)
         return out
     finally:
         sandbox.down(args.name)
@@ -478,7 +589,10 @@ def main() -> int:
     ap.add_argument("--torch-wheelhouse", type=Path, default=WHEELS,
                     help="wheels of torch, numpy, py-spy and uv: the launch rows' shared env")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=SETUP_STEPS, help="setup steps not to run")
-    ap.add_argument("--launch-runs", type=int, default=1, help="runs of launch and of pdsh each (lower median)")
+    ap.add_argument("--launch-runs", type=int, default=1,
+                    help="runs of launch and of pdsh each (lower median); 0: no launch vs pdsh rows")  # fmt: skip
+    ap.add_argument("--teardown-runs", type=int, default=1,
+                    help="runs of stacks, stop and failure, each beside pdsh doing it (lower median)")  # fmt: skip
     ap.add_argument("--launch-max-nodes", type=int, default=64,
                     help="launch rows only up to this many nodes (a node's torchrun and rank: ~130 MiB)")  # fmt: skip
     ap.add_argument("--chief-weight", default="1", type=chief_weight,
@@ -596,9 +710,12 @@ def print_goals(results: dict[int, dict[str, Step | None]]) -> int:
         bare = wall(n, PLAIN)
         if launch and bare:
             print(f"  launch vs pdsh of plain torchrun (no tee), {n} node(s): {launch / bare:.2f}x")
-        goal(f"stacks of every rank, {n} node(s)", wall(n, "stacks"), 2, " s")
-        goal(f"stop: nothing left, {n} node(s)", wall(n, "stop"), 3, " s")
-        goal(f"a failure stops every rank, {n} node(s)", wall(n, "failure"), 3, " s")
+        for step, text, limit in (("stacks", "stacks of every rank", 2), ("stop", "stop: nothing left", 3),
+                                  ("failure", "a failure stops every rank", 3)):  # fmt: skip
+            ours, base = wall(n, step), wall(n, f"{step}, pdsh")
+            goal(f"{text}, {n} node(s)", ours, limit, " s")
+            if ours and base:
+                print(f"    the same by pdsh: {base:.2f} s (nodeops {ours / base:.2f}x)")
     failed = [(n, s) for n, r in results.items() for s, v in r.items() if v is not None and v.rc != 0]
     for n, s in failed:
         print(f"  FAILED: {s} at {n} node(s): {results[n][s].tail}")  # type: ignore[union-attr]
