@@ -27,11 +27,14 @@ spec is used throughout (a wheelhouse package, a workdir, env vars, ib off):
     --json` fanned out by pdsh, just before;
   - stop: `nodeops stop`, then how long until no process of the run is left on any node, read
     from the host's /proc by the containers' cgroups, and confirmed with `docker exec ps`;
-    "stop, pdsh": an idle torchrun started on every node by pdsh, and pdsh sending every
-    torchrun SIGTERM (which torchrun passes on to its ranks), timed the same way;
+    "stop, pdsh TERM": an idle torchrun started on every node by pdsh, and pdsh sending every
+    torchrun SIGTERM (which torchrun passes on to its ranks), timed the same way; "stop, pdsh
+    KILL": the same with SIGKILL to torchrun and its ranks at once (no shutdown: the floor);
   - failure: rank N-1 exits 1 mid-training; seconds until no rank is left anywhere. "failure,
     pdsh": the same script started by pdsh, where nothing but the other ranks' own failing
-    collective (gloo's connection to the dead rank closing) ends them.
+    collective (gloo's connection to the dead rank closing) and torchrun end them (at 64
+    sandbox nodes they were still running after the row's 60 s: the row then kills them and
+    says how many were left);
   The stacks, stop and failure rows run ``--teardown-runs`` times each, alternating with their
   pdsh baseline (lower medians); ``--launch-runs 0`` leaves the launch vs pdsh rows out.
   On 2 cores shared by every node the baselines show what the machine allows: at 64 nodes the
@@ -105,12 +108,14 @@ LAUNCH_STEPS = [
     "launch",
     "stacks, pdsh",
     "stacks",
-    "stop, pdsh",
+    "stop, pdsh TERM",
+    "stop, pdsh KILL",
     "stop",
     "failure, pdsh",
     "failure",
 ]
 FAILED_MARKER = "/tmp/nodeops-scale-failed"  # where the failing rank writes when it failed
+FAILURE_WAIT = 60.0  # the failure rows wait this long for every rank to end
 MAX_CHIEF_WEIGHT = 256  # docker's cpu-shares go up to 262144 (256 x the default 1024)
 SHARED = "/opt/nodeops-shared"  # where every node sees the shared env (read-only)
 TRIVIAL = "import torch.distributed as d\nd.init_process_group('gloo')\nd.barrier()\nd.destroy_process_group()\n"
@@ -367,7 +372,8 @@ def launch_rows(b: Bench, spec: Path, work: Path, runs: int, teardown_runs: int,
         tries["stacks, pdsh"].append(by_pdsh)
         tries["stacks"].append(ours)
         tries["stop"].append(stop_row(b, spec, say))
-        tries["stop, pdsh"].append(pdsh_stop_row(b, spec, work, n, say))
+        for sig in ("TERM", "KILL"):
+            tries[f"stop, pdsh {sig}"].append(pdsh_stop_row(b, spec, work, n, sig, say))
         tries["failure"].append(failure_row(b, [*NODEOPS, "launch", str(spec), "--no-check", "--"], None, n, say))
         argv, env = pdsh_argv(b, spec, work, script="fail.py", args=(str(n - 1), FAILED_MARKER))
         tries["failure, pdsh"].append(failure_row(b, argv, env, n, say, label="failure, pdsh"))
@@ -401,7 +407,10 @@ def stacks_rows(b: Bench, spec: Path, work: Path, n: int, say: sandbox.Say) -> t
         return bad, bad
     dump = (f"for p in $(pgrep -f 'python3? (-u )?idle[.]py'); do {SHARED}/env/bin/py-spy dump --pid $p --json "
             '&& echo "dumped $p"; done')  # fmt: skip
-    by_pdsh = b.timed(pdsh_on_all(b, dump), pdsh_env(b, work))
+    env = pdsh_env(b, work)
+    # every node's ssh master up first, as the supervisor's links to the guards are
+    subprocess.run(pdsh_on_all(b, "true"), env=env, capture_output=True, check=False)
+    by_pdsh = b.timed(pdsh_on_all(b, dump), env)
     got = by_pdsh.stdout.count(" dumped ")
     by_pdsh.tail = f"{got} of {n} ranks' stacks by pdsh and py-spy"
     by_pdsh.rc = by_pdsh.rc or (0 if got == n else 1)
@@ -437,10 +446,12 @@ def stop_row(b: Bench, spec: Path, say: sandbox.Say) -> Step:
     return s
 
 
-def pdsh_stop_row(b: Bench, spec: Path, work: Path, n: int, say: sandbox.Say) -> Step:
-    """The baseline of the stop row: an idle torchrun started on every node by pdsh, stopped by
-    pdsh sending torchrun SIGTERM on every node (torchrun passes it to its ranks): seconds from the
-    kill's start until nothing of the run is left on any node and pdsh has ended."""
+def pdsh_stop_row(b: Bench, spec: Path, work: Path, n: int, sig: str, say: sandbox.Say) -> Step:
+    """The baselines of the stop row: an idle torchrun started on every node by pdsh, stopped by
+    pdsh sending on every node SIGTERM to torchrun (``sig`` TERM: which passes it on to its ranks,
+    as a user's `pdsh pkill` would), or SIGKILL to torchrun and its ranks at once (KILL: no
+    shutdown at all, the floor of a teardown here); seconds from the kill's start until nothing of
+    the run is left on any node and pdsh has ended."""
     argv, env = pdsh_argv(b, spec, work, script="idle.py")
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                             start_new_session=True)  # fmt: skip
@@ -451,14 +462,15 @@ def pdsh_stop_row(b: Bench, spec: Path, work: Path, n: int, say: sandbox.Say) ->
         else:
             t0 = time.monotonic()
             # the brackets keep pkill from matching the remote shell that runs it
-            s = b.timed(pdsh_on_all(b, "pkill -TERM -f 'torch[.]distributed[.]run'"), env)
+            what = "torch[.]distributed[.]run" + ("|python3? (-u )?idle[.]py" if sig == "KILL" else "")
+            s = b.timed(pdsh_on_all(b, f"pkill -{sig} -f '{what}'"), env)
             gone, left = until_nothing_left(b, t0, lambda: proc.poll() is not None)
             s.tail = f"nothing left {gone:.2f}s after pdsh's kill began; docker exec ps: {left or 'nothing'} left"
             s.rc = 1 if left or proc.poll() is None else 0  # pkill's own rc: 1 where nothing matched
             s.wall = gone
     finally:
         end_pdsh_run(b, proc, env)
-    say_step(say, "stop, pdsh", s)
+    say_step(say, f"stop, pdsh {sig}", s)
     return s
 
 
@@ -497,14 +509,21 @@ def failure_row(b: Bench, argv: list[str], env: dict[str, str] | None, n: int, s
             s = Step(0, 0, 1, f"rank {n - 1} never failed; launch rc={proc.returncode}: {why}")
             say_step(say, label, s)
             return s
-        while b.alive(RANK) and time.time() - failed_at < 60:
+        while b.alive(RANK) and time.time() - failed_at < FAILURE_WAIT:
             time.sleep(0.05)
         latency = time.time() - failed_at
+        if env is not None and latency >= FAILURE_WAIT:  # the baseline: nothing stopped them; now this does
+            ranks = b.alive(RANK)
+            end_pdsh_run(b, proc, env)
+            tail = f"{ranks} of {n} ranks still running {FAILURE_WAIT:.0f}s after rank {n - 1} failed (then killed)"
+            s = Step(latency, 0, 0, tail)
+            say_step(say, label, s)
+            return s
         err = proc.communicate(timeout=120)[1]
         left = b.left_by_ps()
         tail = (f"no rank left {latency:.2f}s after rank {n - 1} failed; launch rc={proc.returncode}; "
                 f"left: {left or 'nothing'}")  # fmt: skip
-        ok = proc.returncode != 0 and not left and latency < 60
+        ok = proc.returncode != 0 and not left and latency < FAILURE_WAIT
         s = Step(latency, 0, 0 if ok else 1, tail, stderr=err)
         say_step(say, label, s)
         return s
@@ -712,10 +731,12 @@ def print_goals(results: dict[int, dict[str, Step | None]]) -> int:
             print(f"  launch vs pdsh of plain torchrun (no tee), {n} node(s): {launch / bare:.2f}x")
         for step, text, limit in (("stacks", "stacks of every rank", 2), ("stop", "stop: nothing left", 3),
                                   ("failure", "a failure stops every rank", 3)):  # fmt: skip
-            ours, base = wall(n, step), wall(n, f"{step}, pdsh")
+            ours = wall(n, step)
             goal(f"{text}, {n} node(s)", ours, limit, " s")
-            if ours and base:
-                print(f"    the same by pdsh: {base:.2f} s (nodeops {ours / base:.2f}x)")
+            for label in (k for k in LAUNCH_STEPS if k.startswith(f"{step}, pdsh")):
+                base = wall(n, label)
+                if ours and base:
+                    print(f"    {label}: {base:.2f} s (nodeops {ours / base:.2f}x)")
     failed = [(n, s) for n, r in results.items() for s, v in r.items() if v is not None and v.rc != 0]
     for n, s in failed:
         print(f"  FAILED: {s} at {n} node(s): {results[n][s].tail}")  # type: ignore[union-attr]
