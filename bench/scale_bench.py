@@ -607,6 +607,12 @@ def reference_line(ref: dict[str, float]) -> str:
             + f"200 fork+exec+exit {ref['fork_exec_200_s']:.2f} s")  # fmt: skip
 
 
+def runs(v: str) -> int:
+    if v.isdigit():
+        return int(v)
+    raise argparse.ArgumentTypeError(f"a number of runs (0 or more), not {v!r}")
+
+
 def chief_weight(v: str) -> str:
     if v == "n" or (v.isdigit() and int(v) > 0):
         return v
@@ -619,9 +625,9 @@ def main() -> int:
     ap.add_argument("--torch-wheelhouse", type=Path, default=WHEELS,
                     help="wheels of torch, numpy, py-spy and uv: the launch rows' shared env")  # fmt: skip
     ap.add_argument("--skip", nargs="*", default=[], choices=SETUP_STEPS, help="setup steps not to run")
-    ap.add_argument("--launch-runs", type=int, default=1,
+    ap.add_argument("--launch-runs", type=runs, default=1,
                     help="runs of launch and of pdsh each (lower median); 0: no launch vs pdsh rows")  # fmt: skip
-    ap.add_argument("--teardown-runs", type=int, default=1,
+    ap.add_argument("--teardown-runs", type=runs, default=1,
                     help="runs of stacks, stop and failure, each beside pdsh doing it (lower median)")  # fmt: skip
     ap.add_argument("--launch-max-nodes", type=int, default=64,
                     help="launch rows only up to this many nodes (a node's torchrun and rank: ~130 MiB)")  # fmt: skip
